@@ -1,0 +1,148 @@
+"""The typed batches that cross module borders.
+
+Both are frozen dataclasses: a stage that wants to change a field builds a new batch with
+`dataclasses.replace`, so a tensor that was logged is never modified behind the logger's back.
+
+Layout of one sample (row) in both batches::
+
+    prompt_ids   [P]  left-padded   (pad ... pad p0 p1 ... pk)
+    response_ids [T]  right-padded  (r0 r1 ... EOS pad ... pad)
+
+so `torch.cat([prompt_ids, response_ids], 1)` is the sequence the model saw, and response token t sits at
+position P + t; its log-prob is read from the logits at position P + t - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+FINISH_REASONS = ("stop", "length")
+
+
+def _check_rows(obj, n: int, t: int | None = None) -> None:
+    """Every tensor field has `n` rows; per-token fields ([N, T]) share T."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if not isinstance(v, Tensor):
+            continue
+        if v.shape[0] != n:
+            raise ValueError(f"{type(obj).__name__}.{f.name} has {v.shape[0]} rows, expected {n}")
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """What a rollout engine returns: N = B * G samples, the G samples of a prompt contiguous."""
+
+    prompt_ids: Tensor
+    """[N, P] long, left-padded prompt tokens."""
+    prompt_mask: Tensor
+    """[N, P] bool, True on real prompt tokens."""
+    response_ids: Tensor
+    """[N, T] long, right-padded sampled tokens."""
+    response_mask: Tensor
+    """[N, T] bool, True on every generated token up to and including EOS/stop."""
+    rollout_logprobs: Tensor
+    """[N, T] float32, log-prob of each sampled token under the distribution it was sampled from
+    (temperature/top-p/top-k applied); 0 at padding."""
+    finish_reasons: tuple[str, ...]
+    """Per sample: "stop" (EOS or a stop string) or "length" (hit max_new_tokens)."""
+    group_index: Tensor
+    """[N] long, index of the prompt (group) each sample belongs to; groups contiguous."""
+    group_size: int
+    """G, samples per prompt."""
+    response_texts: tuple[str, ...] = ()
+    """Decoded responses (special tokens skipped), for the reward functions."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Engine statistics, e.g. `gen_tokens`, `gen_seconds`, `gen_tokens_per_s`."""
+
+    def __post_init__(self):
+        n = self.response_ids.shape[0]
+        _check_rows(self, n)
+        if self.response_mask.shape != self.response_ids.shape or self.rollout_logprobs.shape != self.response_ids.shape:
+            raise ValueError("response_ids, response_mask and rollout_logprobs must share shape [N, T]")
+        if len(self.finish_reasons) != n:
+            raise ValueError(f"finish_reasons has {len(self.finish_reasons)} entries, expected {n}")
+        if self.group_size < 1 or n % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide N={n}")
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """[N] long, generated tokens per sample."""
+        return self.response_mask.sum(-1)
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """What the learner trains on. Per-token fields are [N, T] over the response positions.
+
+    Optional fields are None when the algorithm does not need them. Generic helpers (`select`,
+    `padding_like`) work over every tensor field, so a new field is carried everywhere without
+    touching them.
+    """
+
+    prompt_ids: Tensor
+    """[N, P] long, left-padded."""
+    prompt_mask: Tensor
+    """[N, P] bool."""
+    response_ids: Tensor
+    """[N, T] long, right-padded."""
+    response_mask: Tensor
+    """[N, T] bool, the loss mask: generated tokens that count (zero-std groups, rejected samples
+    and padding rows removed)."""
+    advantages: Tensor
+    """[N, T] float."""
+    old_logprobs: Tensor | None = None
+    """[N, T] learner log-probs before the update (PPO ratio denominator); None = on-policy, the
+    detached current log-probs serve."""
+    ref_logprobs: Tensor | None = None
+    """[N, T] reference-model log-probs (KL loss)."""
+    rollout_logprobs: Tensor | None = None
+    """[N, T] engine log-probs (rollout-KL loss)."""
+    is_weights: Tensor | None = None
+    """[N, T] detached rollout importance-sampling weights (multiply the policy loss)."""
+    values: Tensor | None = None
+    """[N, T] value-model predictions at rollout time (PPO value clipping)."""
+    returns: Tensor | None = None
+    """[N, T] value targets (PPO)."""
+
+    def __post_init__(self):
+        _check_rows(self, self.response_ids.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_ids.shape[0]
+
+    def tensor_fields(self) -> dict[str, Tensor]:
+        """All tensor-valued fields by name (None fields left out)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+
+    def select(self, index: Tensor | list[int] | slice) -> TrainBatch:
+        """Rows `index` of every tensor field (a new batch; the original is untouched)."""
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long, device=self.response_ids.device)
+        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensor_fields().items()})
+
+    def padding_like(self, rows: int = 1) -> TrainBatch:
+        """A padding micro-batch: `rows` copies of this batch's first row in every field, loss mask 0.
+
+        Built from the real fields (not a hard-coded list), so it carries whatever per-token
+        fields the real micro-batches carry, with finite values and no loss contribution.
+        """
+        idx = torch.zeros(rows, dtype=torch.long, device=self.response_ids.device)
+        pad = self.select(idx)
+        return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensor_fields().items()})
