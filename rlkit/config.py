@@ -1,0 +1,420 @@
+"""The typed configuration schema and its validation.
+
+Every field has a one-line doc. Hydra composes `configs/config.yaml` (+ a recipe from `recipes/` +
+command-line overrides) on top of `RLConfig`; `load_config` turns the result into these dataclasses and
+`validate` rejects a configuration that cannot work *before any model loads*, naming the key, the bad
+value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+RECIPE_DIR = REPO_ROOT / "recipes"
+
+DTYPES = ["float32", "bfloat16", "float16"]
+ENGINES = ["auto", "hf", "vllm"]
+ADV_ESTIMATORS = ["grpo", "rloo", "reinforce_pp", "gae"]
+POLICY_LOSSES = ["ppo_clip", "gspo", "cispo"]
+LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KL_ESTIMATORS = ["k1", "abs", "k2", "k3"]
+IS_LEVELS = ["token", "sequence", "geometric"]
+IS_MODES = ["truncate", "mask", "both"]
+LR_SCHEDULES = ["constant", "cosine"]
+LOGGERS = ["wandb", "console", "none"]
+TEMPLATES = ["chat", "plain"]
+DEVICES = ["auto", "cpu", "cuda"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hub id, local HF checkpoint dir, or a short name resolved by rlkit.models (e.g. `smollm2-135m`)."""
+    dtype: str = "bfloat16"
+    """Parameter / compute dtype of learner and engine: float32 | bfloat16 | float16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% slower)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "openai/gsm8k"
+    """Hub dataset id, a local JSON/JSONL/Parquet file, a directory with train.* / test.* files, or
+    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data)."""
+    subset: Optional[str] = "main"
+    """Hub dataset configuration name (e.g. gsm8k's `main`); null for none."""
+    train_split: str = "train"
+    """Split used for training."""
+    eval_split: Optional[str] = "test"
+    """Held-out split for eval; when the dataset has no such split, `eval_size` rows are held out of train."""
+    eval_size: int = 128
+    """Number of eval prompts (taken from the eval split, or held out of train when there is none)."""
+    prompt_key: str = "question"
+    """Column holding the problem text."""
+    answer_key: str = "answer"
+    """Column holding the reference answer (GSM8K style: final answer after `####`)."""
+    template: str = "chat"
+    """`chat` (the tokenizer's chat template) or `plain` (`Question: ...\\nAnswer:`)."""
+    system_prompt: Optional[str] = None
+    """Optional system message for the chat template."""
+    instruction: str = "Solve the problem step by step. Write the final answer after '####'."
+    """Appended to every question."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (in tokens, after templating) are dropped, with a logged count."""
+    num_train: int = 2000
+    """`arithmetic` only: number of generated training problems."""
+    num_eval: int = 200
+    """`arithmetic` only: number of generated eval problems."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"
+    """auto (vLLM on CUDA when installed, else HF) | hf | vllm."""
+    group_size: int = 8
+    """G: completions sampled per prompt (the GRPO group)."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner scores log-probs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = 512
+    """Response length cap; longer responses are clipped (finish reason `length`)."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings besides EOS."""
+    return_logprobs: bool = True
+    """Keep the engine's per-token log-probs (needed by rollout IS / rollout-KL / mismatch metrics)."""
+    weight_sync_kl_threshold: float = 0.05
+    """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error."""
+    gpu_memory_utilization: float = 0.45
+    """vLLM only: fraction of GPU memory for weights + KV cache (the learner shares the GPU)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the engine constructor."""
+    eval_group_size: int = 1
+    """k: samples per eval prompt; pass@k is reported when k > 1."""
+    eval_temperature: float = 0.0
+    """Eval sampling temperature (0 = greedy; use > 0 with eval_group_size > 1)."""
+
+
+@dataclass
+class RolloutISConfig:
+    enabled: bool = False
+    """Multiply the policy loss by importance weights learner/engine (rollout correction)."""
+    level: str = "token"
+    """token | sequence | geometric."""
+    mode: str = "truncate"
+    """truncate (cap at `upper`) | mask (drop outside [lower, upper]) | both."""
+    upper: float = 2.0
+    """Upper threshold of the IS weight."""
+    lower: Optional[float] = None
+    """Lower threshold (mask modes; default 1/upper)."""
+    veto_lower: Optional[float] = None
+    """Drop a whole sequence when any token's ratio is below this."""
+    veto_upper: Optional[float] = None
+    """Drop a whole sequence when any token's ratio is above this."""
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    """Label for logs only (grpo, dr_grpo, ppo, ...)."""
+    adv_estimator: str = "grpo"
+    """grpo | rloo | reinforce_pp | gae (PPO with a value model)."""
+    norm_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    mask_zero_std_groups: bool = True
+    """Remove groups whose rewards are all equal from the training loss (never in eval)."""
+    policy_loss: str = "ppo_clip"
+    """ppo_clip | gspo | cispo."""
+    clip_low: float = 0.2
+    """Lower clip range of the ratio (1 - clip_low)."""
+    clip_high: float = 0.2
+    """Upper clip range of the ratio (1 + clip_high)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (null = off)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    norm_len: Optional[int] = None
+    """Constant length of seq-mean-token-sum-norm (default rollout.max_new_tokens)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL to the reference model (0 = no reference model loaded)."""
+    kl_estimator: str = "k3"
+    """k1 | abs | k2 | k3."""
+    kl_in_reward: bool = False
+    """PPO: put -kl_coef * KL into the token rewards (kl_shaped_rewards) instead of the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    gamma: float = 1.0
+    """Discount (reinforce_pp, gae)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    value_model: bool = False
+    """Train a value model (PPO critic); required by adv_estimator=gae."""
+    vf_coef: float = 0.5
+    """Value loss coefficient."""
+    value_clip: Optional[float] = 0.2
+    """Value clipping range (null = off)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (> 1 makes later mini-batches off-policy)."""
+    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    """Rollout importance sampling (engine/learner mismatch correction)."""
+    rollout_kl_coef: float = 0.0
+    """Coefficient of the KL between learner and engine log-probs (soft trust region; 0 = off)."""
+    rollout_kl_estimator: str = "k2"
+    """k1 | abs | k2 | k3 for the rollout-KL term."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "math"
+    """Main reward: a registered name (`math`, `format`) or an import path `module:fn` / `module.fn`
+    called as fn(prompt, response, answer) -> float."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """More reward functions with their weights, added to `fn` (e.g. `+reward.extra.format=0.1`)."""
+    timeout_s: float = 10.0
+    """A reward call running longer than this yields 0 and counts in `reward/errors`."""
+    num_workers: int = 2
+    """Reward worker processes (isolated so a hanging function can be killed)."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    """Number of training steps (one rollout batch + update each)."""
+    train_batch_size: int = 64
+    """Samples per step over all ranks (prompts x group_size)."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: str = "constant"
+    """constant | cosine (after warm-up)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget (prompt + response) per learner micro-batch."""
+    seed: int = 0
+    """Seed for data order, sampling and model init."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0 = only at the end)."""
+    save_every: int = 0
+    """Checkpoint every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep only this many most recent checkpoints (0 = keep all)."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint in run_dir, if any) | none | a checkpoint directory."""
+    run_dir: str = "runs/${logger.name}"
+    """Where metrics.jsonl, checkpoints and the W&B run go."""
+    num_processes: Optional[int] = None
+    """Processes to start (null = one per visible GPU, 1 on CPU); >1 on CPU uses gloo."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "wandb"
+    """wandb | console | none (metrics.jsonl in the run dir is always written)."""
+    project: str = "rlkit"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team); null = your default."""
+    name: str = "run"
+    """Run name (also names the run dir by default)."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+
+
+@dataclass
+class RLConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work (raised before any model loads)."""
+
+
+def register_configs() -> None:
+    """Register the schema and every recipe with Hydra's ConfigStore.
+
+    Recipes live in the top-level `recipes/` folder but must be addressed as `+recipe=NAME`; Hydra maps
+    a group to a folder under the config dir, so we store each file under group `recipe` with package
+    `_global_` instead. A recipe's own `defaults: [override /algo: ppo]` keeps working.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="rlkit_schema", node=RLConfig)
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def _choice(key: str, value, choices: list) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {choices}")
+
+
+def _positive(key: str, value, *, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value!r} must be {bound}")
+
+
+def load_config(cfg: DictConfig | dict, *, world_size: int = 1) -> RLConfig:
+    """Composed Hydra config -> validated `RLConfig` (unknown keys and wrong types raise here)."""
+    merged = OmegaConf.merge(OmegaConf.structured(RLConfig), cfg)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(
+            f"missing value for {missing}: set them on the command line (e.g. {missing[0]}=...)"
+            + (" - model.path is missing" if "model.path" in missing else "")
+        )
+    config: RLConfig = OmegaConf.to_object(merged)
+    validate(config, world_size=world_size)
+    return config
+
+
+def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
+    """Raise `ConfigError` for a configuration that cannot work; fix up harmless omissions (logged).
+
+    `world_size` is the number of ranks the run will use (the batch must split evenly over them).
+    """
+    m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.trainer
+    if not m.path or m.path == "???":
+        raise ConfigError(
+            "model.path is missing: set model.path=<hub id | local dir | smollm2-135m>, or start from a "
+            "recipe (+recipe=quickstart runs offline)"
+        )
+    _choice("model.dtype", m.dtype, DTYPES)
+    if not d.path:
+        raise ConfigError("data.path is missing: set data.path=<hub id | local file | arithmetic>")
+    _choice("data.template", d.template, TEMPLATES)
+    _positive("data.max_prompt_tokens", d.max_prompt_tokens)
+    _positive("data.eval_size", d.eval_size, allow_zero=True)
+
+    _choice("rollout.engine", r.engine, ENGINES)
+    _positive("rollout.group_size", r.group_size)
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.temperature", r.temperature, allow_zero=True)
+    _positive("rollout.eval_group_size", r.eval_group_size)
+    _positive("rollout.eval_temperature", r.eval_temperature, allow_zero=True)
+    if r.temperature == 0:
+        raise ConfigError(
+            "rollout.temperature=0 (greedy) cannot train: every sample of a group would be identical; "
+            "use a temperature > 0"
+        )
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p!r} must be in (0, 1]")
+
+    _choice("algo.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
+    _choice("algo.policy_loss", a.policy_loss, POLICY_LOSSES)
+    _choice("algo.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+    _choice("algo.rollout_kl_estimator", a.rollout_kl_estimator, KL_ESTIMATORS)
+    _choice("algo.rollout_is.level", a.rollout_is.level, IS_LEVELS)
+    _choice("algo.rollout_is.mode", a.rollout_is.mode, IS_MODES)
+    _positive("algo.kl_coef", a.kl_coef, allow_zero=True)
+    _positive("algo.rollout_kl_coef", a.rollout_kl_coef, allow_zero=True)
+    _positive("algo.ppo_epochs", a.ppo_epochs)
+    _positive("algo.mini_batches", a.mini_batches)
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} must be > 1 (or null to disable)")
+    if a.norm_len is not None:
+        _positive("algo.norm_len", a.norm_len)
+    is_cfg = a.rollout_is
+    _positive("algo.rollout_is.upper", is_cfg.upper)
+    if is_cfg.lower is not None and is_cfg.lower >= is_cfg.upper:
+        raise ConfigError(
+            f"algo.rollout_is.lower={is_cfg.lower!r} must be below algo.rollout_is.upper={is_cfg.upper!r}"
+        )
+    if (
+        is_cfg.veto_lower is not None
+        and is_cfg.veto_upper is not None
+        and is_cfg.veto_lower >= is_cfg.veto_upper
+    ):
+        raise ConfigError(
+            f"algo.rollout_is.veto_lower={is_cfg.veto_lower!r} must be below "
+            f"algo.rollout_is.veto_upper={is_cfg.veto_upper!r}"
+        )
+    if a.adv_estimator == "gae" and not a.value_model:
+        raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.value_model=true")
+    if a.kl_in_reward and a.adv_estimator not in ("gae", "reinforce_pp"):
+        raise ConfigError(
+            f"algo.kl_in_reward=true needs token-level rewards: algo.adv_estimator={a.adv_estimator!r} "
+            "is not one of ['gae', 'reinforce_pp']"
+        )
+    # Eval is never normalised (it reports accuracy), so only the training group size matters.
+    if a.norm_by_std and a.adv_estimator == "grpo" and r.group_size < 2:
+        raise ConfigError(
+            "algo.norm_by_std=true needs rollout.group_size >= 2 (the std of one sample is undefined)"
+        )
+    if a.adv_estimator in ("grpo", "rloo") and r.group_size < 2:
+        raise ConfigError(
+            f"rollout.group_size={r.group_size} must be >= 2 for algo.adv_estimator={a.adv_estimator!r} "
+            "(a group of one has advantage 0 and learns nothing)"
+        )
+    if (a.rollout_is.enabled or a.rollout_kl_coef > 0) and not r.return_logprobs:
+        # Both need the engine's log-probs; the engines always can return them, so turn them on.
+        log.warning(
+            "algo.rollout_is.enabled / algo.rollout_kl_coef need rollout log-probs: "
+            "setting rollout.return_logprobs=true"
+        )
+        r.return_logprobs = True
+
+    _positive("trainer.steps", t.steps)
+    _positive("trainer.train_batch_size", t.train_batch_size)
+    _positive("trainer.lr", t.lr, allow_zero=True)
+    _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice("trainer.device", t.device, DEVICES)
+    _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    _positive("trainer.save_every", t.save_every, allow_zero=True)
+    _positive("trainer.keep_last", t.keep_last, allow_zero=True)
+    if t.num_processes is not None:
+        _positive("trainer.num_processes", t.num_processes)
+    if t.train_batch_size % r.group_size:
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be divisible by "
+            f"rollout.group_size={r.group_size} (it counts samples = prompts x group size)"
+        )
+    if t.train_batch_size % (r.group_size * world_size):
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x ranks "
+            f"= {r.group_size} x {world_size} (each rank samples whole groups)"
+        )
+    if (t.train_batch_size // world_size) % a.mini_batches:
+        raise ConfigError(
+            f"algo.mini_batches={a.mini_batches} must divide the per-rank batch "
+            f"{t.train_batch_size // world_size} (trainer.train_batch_size / ranks)"
+        )
+    _choice("logger.backend", cfg.logger.backend, LOGGERS)
+    _positive("reward.timeout_s", cfg.reward.timeout_s)
+    _positive("reward.num_workers", cfg.reward.num_workers)
+
+
+def to_dict(cfg: RLConfig) -> dict:
+    """Plain nested dict of the config (for W&B and the run dir)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
