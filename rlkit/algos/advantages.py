@@ -1,0 +1,176 @@
+"""Advantage estimators: GRPO / Dr. GRPO, RLOO, REINFORCE++, GAE, and PPO's KL-shaped token rewards.
+
+Shapes: N samples, T response tokens; groups are the `group_size` contiguous samples of one prompt.
+`mask` is bool or 0/1 and True on the response tokens that count; values at masked positions may be
+anything (NaN, inf) and never reach a result. Nothing here writes to its arguments.
+Results are float32 (float64 for float64 inputs) on the input's device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlkit.algos._common import as_bool_mask, as_float, check_groups, masked, safe_div
+
+__all__ = ["grpo", "rloo", "reinforce_pp", "gae", "kl_shaped_rewards", "zero_std_groups"]
+
+
+def grpo(rewards: Tensor, group_size: int, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages, one per sample.
+
+    GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300): `(r - mean_g) / (std_g + eps)` with the
+    unbiased (ddof=1) std of the sample's group and eps outside the std. `norm_by_std=False` is Dr. GRPO
+    (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783): `r - mean_g`, which removes
+    the bias towards groups with a small reward spread. A group whose rewards are all equal gets exactly 0;
+    a group of one gets 0 (it has no baseline to compare with).
+
+    Args:
+        rewards: [N] scalar reward per sample.
+        group_size: G, samples per prompt; must divide N.
+    Returns:
+        [N] advantages.
+    """
+    check_groups(rewards.shape[0], group_size)
+    r = as_float(rewards).reshape(-1, group_size)
+    if group_size == 1:
+        return torch.zeros_like(r).reshape(-1)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if norm_by_std:
+        centred = centred / (r.std(dim=1, unbiased=True, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def rloo(rewards: Tensor, group_size: int) -> Tensor:
+    """REINFORCE Leave-One-Out advantages (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
+
+    `A_i = r_i - mean_{j != i} r_j`, computed as `(r_i - mean_g) * G / (G - 1)`. A group of one gets 0.
+
+    Args:
+        rewards: [N]; group_size: G, must divide N.
+    Returns:
+        [N] advantages.
+    """
+    check_groups(rewards.shape[0], group_size)
+    r = as_float(rewards).reshape(-1, group_size)
+    if group_size == 1:
+        return torch.zeros_like(r).reshape(-1)
+    return ((r - r.mean(dim=1, keepdim=True)) * (group_size / (group_size - 1))).reshape(-1)
+
+
+def _masked_discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_{next valid token}, skipping masked positions (0 there)."""
+    returns = []
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        # A masked position neither adds its reward nor discounts: the return is carried across it.
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns.append(running)
+    return masked(torch.stack(returns[::-1], dim=1), mask)
+
+
+def reinforce_pp(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++ advantages (Hu 2025, "REINFORCE++", arXiv:2501.03262).
+
+    Discounted returns over the valid tokens of each row, then whitened over all valid tokens of the
+    batch: `(G - mean) * rsqrt(var + 1e-8)` with the unbiased variance. Masked positions are skipped
+    (their reward is ignored and the return flows across them undiscounted), so an interior masked
+    span (e.g. a tool observation) does not cut the credit from a final reward. This differs from
+    verl, which resets the return at every masked position.
+
+    Args:
+        token_rewards: [N, T] per-token rewards (e.g. from `kl_shaped_rewards`).
+        mask: [N, T] bool or 0/1.
+        gamma: discount.
+    Returns:
+        [N, T] advantages, 0 at padding; all 0 when the mask is empty.
+    """
+    m = as_bool_mask(mask, token_rewards)
+    returns = _masked_discounted_returns(masked(as_float(token_rewards), m), m, gamma)
+    n = m.sum().to(returns.dtype)
+    mean = safe_div(returns.sum(), n)
+    centred = masked(returns - mean, m)
+    # Unbiased variance; with one valid token the centred value is 0 anyway, so clamp n-1 to 1.
+    var = centred.square().sum() / (n - 1).clamp(min=1)
+    return masked(centred * torch.rsqrt(var + 1e-8), m)
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
+    Using Generalized Advantage Estimation", arXiv:1506.02438), mask-aware.
+
+    `delta_t = r_t + gamma * V_next - V_t`, `A_t = delta_t + gamma * lam * A_next`, where "next" is the
+    next *valid* token: masked positions are skipped (the value after a row's last valid token is 0), so
+    values and rewards at padding or inside interior masked spans never matter. Not whitened.
+
+    Args:
+        token_rewards: [N, T]; values: [N, T] critic values; mask: [N, T] bool or 0/1.
+    Returns:
+        (advantages [N, T], returns [N, T] = advantages + values), both 0 at masked positions.
+    """
+    m = as_bool_mask(mask, token_rewards)
+    if values.shape != token_rewards.shape:
+        raise ValueError(f"values has shape {tuple(values.shape)}, expected {tuple(token_rewards.shape)}")
+    r = masked(as_float(token_rewards), m)
+    v = masked(as_float(values), m)
+    dtype = torch.promote_types(r.dtype, v.dtype)
+    r, v = r.to(dtype), v.to(dtype)
+    next_value = torch.zeros_like(r[:, 0])
+    last_gae = torch.zeros_like(r[:, 0])
+    advs = []
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        candidate = delta + gamma * lam * last_gae
+        next_value = torch.where(m[:, t], v[:, t], next_value)
+        last_gae = torch.where(m[:, t], candidate, last_gae)
+        advs.append(last_gae)
+    advantages = masked(torch.stack(advs[::-1], dim=1), m)
+    return advantages, masked(advantages + v, m)
+
+
+def kl_shaped_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, *, kl_coef: float) -> Tensor:
+    """PPO token rewards with a KL penalty (Ouyang et al. 2022 / Ziegler et al. 2019 style).
+
+    A NEW tensor: `-kl_coef * kl` on valid tokens, 0 on padding, plus `rewards[i]` at row i's last valid
+    token. `kl` is left untouched: it is logged afterwards (slime's old in-place
+    `k *= kl_coef; k[-1] += reward` corrupted the logged KL). A row with no valid token gets all zeros
+    (its reward has no token to sit on).
+
+    Args:
+        rewards: [N] sequence rewards; kl: [N, T] per-token KL estimate (see `rlkit.algos.kl`);
+        mask: [N, T] bool or 0/1; kl_coef: penalty coefficient (float or 0-dim tensor).
+    Returns:
+        [N, T] token rewards.
+    """
+    m = as_bool_mask(mask, kl)
+    if rewards.shape != kl.shape[:1]:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}, expected ({kl.shape[0]},)")
+    k = as_float(kl)
+    r = as_float(rewards).to(k.dtype)
+    shaped = masked(-kl_coef * k, m)
+    positions = torch.arange(m.shape[1], device=m.device)
+    last = torch.where(m, positions, -1).amax(dim=1, keepdim=True)  # -1 for an empty row
+    at_last = positions.unsqueeze(0) == last
+    return shaped + torch.where(at_last, r.unsqueeze(1), torch.zeros((), dtype=k.dtype, device=k.device))
+
+
+def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Which samples belong to a group with no reward spread (no learning signal under GRPO).
+
+    Used to drop such groups from the loss (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476,
+    filters them out; rlkit masks them). Equality is exact.
+
+    Args:
+        rewards: [N]; group_size: G, must divide N.
+    Returns:
+        [N] bool, True for every sample of a group of two or more whose rewards are all equal;
+        groups of one are False.
+    """
+    check_groups(rewards.shape[0], group_size)
+    r = rewards.reshape(-1, group_size)
+    if group_size == 1:
+        return torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return same.expand_as(r).reshape(-1)

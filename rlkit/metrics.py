@@ -1,0 +1,145 @@
+"""Merging metrics across micro-batches and ranks, weighted by how many items each one averaged over.
+
+A mean of per-micro-batch means is wrong whenever micro-batches hold different numbers of tokens (and
+padding micro-batches, which hold none, would dilute it). `MetricMerger` keeps sum(value * weight) and
+sum(weight) per key instead, so the merged value equals the metric computed on the concatenated data.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["MetricMerger", "reduction"]
+
+_MAX_SUFFIXES = ("/max", "_max")
+_MIN_SUFFIXES = ("/min", "_min")
+
+
+def reduction(key: str) -> str:
+    """How `key` is merged: "max", "min", or "mean" (weighted by the item counts)."""
+    if key.endswith(_MAX_SUFFIXES):
+        return "max"
+    if key.endswith(_MIN_SUFFIXES):
+        return "min"
+    return "mean"
+
+
+class MetricMerger:
+    """Accumulates per-micro-batch metric dicts and merges them, across ranks too.
+
+    Usage (in the learner)::
+
+        merger = MetricMerger()
+        for micro in micro_batches:
+            _, metrics = losses.ppo_clip(..., micro.mask)
+            merger.add(metrics, micro.mask.sum())
+        merged = merger.compute()  # all-reduced when torch.distributed is initialised
+
+    Keys ending in `/max` or `_max` reduce by max, `/min` or `_min` by min (over entries with weight > 0),
+    everything else is `sum(v * w) / sum(w)`. A key whose total weight is 0 gives 0. Sums are kept in
+    float64 on the metrics' device; there is no `.item()`, so nothing synchronises with the GPU.
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[str, Tensor] = {}
+        self._weight: dict[str, Tensor] = {}
+        self._max: dict[str, Tensor] = {}
+        self._min: dict[str, Tensor] = {}
+        self._device: torch.device | None = None
+
+    def add(self, metrics: dict[str, Tensor], weight: Tensor | float) -> None:
+        """Record one micro-batch: every value in `metrics` is a mean over `weight` items (e.g. tokens).
+
+        `weight` may be a number or a 0-dim tensor, and may be 0: such an entry (a padding micro-batch)
+        changes nothing, even if its values are NaN.
+        """
+        for key, value in metrics.items():
+            value = torch.as_tensor(value).detach()
+            if value.dim() != 0:
+                raise ValueError(
+                    f"metric {key!r} has shape {tuple(value.shape)}; metrics must be 0-dim tensors"
+                )
+            if self._device is None:
+                self._device = value.device
+            value = value.to(self._device, torch.float64)
+            w = torch.as_tensor(weight, device=self._device).detach().to(torch.float64)
+            has_weight = w > 0
+            kind = reduction(key)
+            if kind == "mean":
+                # where, not v * w: a NaN value with weight 0 must not poison the sum.
+                contribution = torch.where(has_weight, value * w, torch.zeros_like(value))
+                self._sum[key] = self._sum.get(key, 0.0) + contribution
+                self._weight[key] = self._weight.get(key, 0.0) + torch.where(
+                    has_weight, w, torch.zeros_like(w)
+                )
+            else:
+                store, fill, pick = (
+                    (self._max, float("-inf"), torch.maximum)
+                    if kind == "max"
+                    else (self._min, float("inf"), torch.minimum)
+                )
+                candidate = torch.where(has_weight, value, torch.full_like(value, fill))
+                store[key] = pick(store[key], candidate) if key in store else candidate
+
+    def keys(self) -> list[str]:
+        return sorted([*self._sum, *self._max, *self._min])
+
+    def compute(self, group=None, *, check_keys: bool = True) -> dict[str, Tensor]:
+        """The merged metrics, float32 0-dim tensors.
+
+        When torch.distributed is initialised, the result is merged over the ranks of `group` (default:
+        the world): every rank must call `compute` (it is a collective) and must have added the same keys
+        (with `check_keys`, the sorted key lists are compared first with one small collective and one host
+        sync; a mismatch raises ValueError on every rank instead of a hang or a silently wrong merge). Then one all-reduce for the weighted sums and one for max and min
+        together (min is taken as -max(-x)), in the same order on every rank. With the NCCL backend the
+        reductions run on the current CUDA device.
+        """
+        device = self._device or torch.device("cpu")
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        mean_keys, max_keys, min_keys = sorted(self._sum), sorted(self._max), sorted(self._min)
+
+        sums = torch.stack([self._sum[k].to(device) for k in mean_keys] + [zero])
+        weights = torch.stack([self._weight[k].to(device) for k in mean_keys] + [zero])
+        extremes = torch.stack(
+            [self._max[k].to(device) for k in max_keys]
+            + [-self._min[k].to(device) for k in min_keys]
+            + [zero]
+        )
+        if distributed:
+            if check_keys:
+                self._check_same_keys(device, group)
+            totals = torch.cat([sums, weights])
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+            sums, weights = totals[: len(sums)], totals[len(sums) :]
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+
+        out: dict[str, Tensor] = {}
+        ok = weights > 0
+        means = torch.where(
+            ok, sums / torch.where(ok, weights, torch.ones_like(weights)), torch.zeros_like(sums)
+        )
+        for i, k in enumerate(mean_keys):
+            out[k] = means[i]
+        for i, k in enumerate(max_keys + min_keys):
+            v = extremes[i] if i < len(max_keys) else -extremes[i]
+            # +-inf means no entry had weight > 0 on any rank.
+            out[k] = torch.where(torch.isinf(v), torch.zeros_like(v), v)
+        return {k: out[k].to(torch.float32) for k in sorted(out)}
+
+    def _check_same_keys(self, device, group) -> None:
+        digest = float(zlib.crc32("\n".join(self.keys()).encode()))
+        probe = torch.tensor([digest, -digest], dtype=torch.float64, device=device)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        # max(d) == d and max(-d) == -d on every rank only if all digests are equal.
+        if not bool((probe[0] == digest) & (probe[1] == -digest)):
+            raise ValueError(
+                "MetricMerger.compute: ranks added different metric keys; every rank must add the same keys "
+                f"(this rank has {self.keys()})"
+            )
