@@ -1,0 +1,241 @@
+"""Datasets: loading (hub / local files / the generated arithmetic set), prompt templating, length
+filtering, the train/eval split and a deterministic, resumable prompt order.
+
+Every source goes through `datasets.load_dataset`, so the offline arithmetic set exercises the same
+code path as GSM8K from the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rlkit.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+ARITHMETIC = "arithmetic"
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLKIT_CACHE", Path.home() / ".cache" / "rlkit"))
+
+
+# ----------------------------------------------------------------------------------------------- arithmetic
+
+
+def _arithmetic_problem(rng: random.Random) -> dict:
+    """One GSM8K-format problem: small-number addition or subtraction, answer ending in `#### N`."""
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    name = rng.choice(["Tom", "Sara", "Ali", "Mia", "Ken", "Lea"])
+    thing = rng.choice(["apples", "pencils", "stickers", "marbles", "books"])
+    kind = rng.choice(["plain_add", "story_add", "story_sub"])
+    if kind == "plain_add":
+        question, work, result = f"What is {a} + {b}?", f"{a} + {b} = {a + b}", a + b
+    elif kind == "story_add":
+        question = f"{name} has {a} {thing}. {name} gets {b} more. How many {thing} does {name} have now?"
+        work, result = f"{a} + {b} = {a + b}", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        question = f"{name} had {a} {thing} and gave away {b}. How many {thing} are left?"
+        work, result = f"{a} - {b} = {a - b}", a - b
+    return {"question": question, "answer": f"{work}\n#### {result}"}
+
+
+def generate_arithmetic(directory: str | Path, *, num_train: int, num_eval: int, seed: int = 0) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of arithmetic word problems into `directory` (atomically).
+
+    The set is a pure function of (num_train, num_eval, seed); eval questions never appear in train.
+    """
+    directory = Path(directory)
+    if (directory / "train.jsonl").exists() and (directory / "test.jsonl").exists():
+        return directory
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    # The space of distinct problems is a few thousand; stop early rather than loop forever.
+    for _ in range(50 * (num_train + num_eval)):
+        if len(rows) == num_train + num_eval:
+            break
+        p = _arithmetic_problem(rng)
+        if p["question"] not in seen:
+            seen.add(p["question"])
+            rows.append(p)
+    if len(rows) < num_train + num_eval:
+        raise ValueError(
+            f"data.num_train + data.num_eval = {num_train + num_eval} exceeds the {len(rows)} distinct "
+            "arithmetic problems available"
+        )
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".tmp-arith-"))
+    for name, part in (("test.jsonl", rows[:num_eval]), ("train.jsonl", rows[num_eval:])):
+        with open(tmp / name, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """(builder, {split: files}) for a local file or a directory of train.* / test.* files."""
+    if path.is_file():
+        builder = _FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(
+                f"data.path={str(path)!r}: unknown file type {path.suffix!r}, not one of {list(_FILE_BUILDERS)}"
+            )
+        return builder, {"train": [str(path)]}
+    files: dict[str, list[str]] = {}
+    builders = set()
+    for f in sorted(path.iterdir()):
+        if f.suffix in _FILE_BUILDERS:
+            files.setdefault(f.stem.split(".")[0].split("-")[0], []).append(str(f))
+            builders.add(_FILE_BUILDERS[f.suffix])
+    if not files or len(builders) != 1:
+        raise ValueError(
+            f"data.path={str(path)!r}: expected train.* / test.* files of one type {list(_FILE_BUILDERS)}"
+        )
+    return builders.pop(), files
+
+
+def load_splits(cfg: DataConfig, *, seed: int = 0):
+    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows."""
+    import datasets
+
+    path = cfg.path
+    if path == ARITHMETIC:
+        path = str(
+            generate_arithmetic(
+                cache_dir() / "data" / f"arithmetic-{cfg.num_train}-{cfg.num_eval}",
+                num_train=cfg.num_train,
+                num_eval=cfg.num_eval,
+            )
+        )
+    local = Path(path).expanduser()
+    if local.exists():
+        builder, files = _local_data_files(local)
+        ds = datasets.load_dataset(builder, data_files=files)
+    elif path.startswith((".", "/", "~")) or Path(path).suffix in _FILE_BUILDERS:
+        raise FileNotFoundError(f"data.path={path!r} does not exist")
+    else:
+        try:
+            ds = datasets.load_dataset(path, cfg.subset)
+        except Exception as e:
+            raise RuntimeError(
+                f"could not load dataset data.path={path!r} (subset {cfg.subset!r}) from the Hugging Face hub "
+                f"({type(e).__name__}: {e}). If the hub is unreachable, run offline with +recipe=quickstart, or "
+                "point data.path= at a local JSON/JSONL/Parquet file or directory (and model.path= at a local model)."
+            ) from e
+    if cfg.train_split not in ds:
+        raise ValueError(f"data.train_split={cfg.train_split!r} is not one of {list(ds)}")
+    train = ds[cfg.train_split]
+    if cfg.eval_split and cfg.eval_split in ds:
+        eval_ds = ds[cfg.eval_split]
+    elif cfg.eval_size > 0:
+        split = train.train_test_split(test_size=cfg.eval_size, seed=seed, shuffle=True)
+        train, eval_ds = split["train"], split["test"]
+        log.info("no %r split: held out %d training rows for eval", cfg.eval_split, cfg.eval_size)
+    else:
+        eval_ds = train.select([])
+    eval_ds = eval_ds.select(range(min(cfg.eval_size, len(eval_ds))))
+    for key in (cfg.prompt_key, cfg.answer_key):
+        if key not in train.column_names:
+            raise ValueError(f"data key {key!r} is not a column of the dataset: {train.column_names}")
+    return train, eval_ds
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Tokenised prompts with their reference answers (index i of every list is one problem)."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    answers: list[str]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def render_prompt(question: str, tokenizer, cfg: DataConfig) -> tuple[str, list[int]]:
+    """Prompt text and token ids for one question (chat template, or the plain template as fallback)."""
+    user = f"{question}\n{cfg.instruction}" if cfg.instruction else question
+    if cfg.template == "chat" and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
+            {"role": "user", "content": user}
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already contains BOS where the model wants it.
+        return text, tokenizer(text, add_special_tokens=False).input_ids
+    text = f"Question: {user}\nAnswer:"
+    return text, tokenizer(text).input_ids
+
+
+def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -> PromptSet:
+    """Template and tokenise every row; drop prompts over `cfg.max_prompt_tokens` (count logged)."""
+    if cfg.template == "chat" and not getattr(tokenizer, "chat_template", None):
+        log.warning("data.template='chat' but the tokenizer has no chat template: using the plain template")
+    ids, texts, answers = [], [], []
+    dropped = 0
+    for row in dataset:
+        text, tok = render_prompt(row[cfg.prompt_key], tokenizer, cfg)
+        if len(tok) > cfg.max_prompt_tokens:
+            dropped += 1
+            continue
+        ids.append(tok)
+        texts.append(text)
+        answers.append(str(row[cfg.answer_key]))
+    log.info(
+        "%s prompts: %d kept, %d dropped (longer than data.max_prompt_tokens=%d)",
+        name,
+        len(ids),
+        dropped,
+        cfg.max_prompt_tokens,
+    )
+    if not ids:
+        raise ValueError(f"no {name} prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens}")
+    return PromptSet(ids, texts, answers)
+
+
+class PromptOrder:
+    """A deterministic, endless prompt order: epoch e is a permutation seeded by (seed, e).
+
+    The whole state is `position` (prompts consumed so far over all ranks), so resuming is setting it.
+    """
+
+    def __init__(self, num_prompts: int, seed: int, position: int = 0):
+        self.num_prompts = num_prompts
+        self.seed = seed
+        self.position = position
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def next(self, count: int) -> list[int]:
+        """The next `count` prompt indices (the global batch; ranks slice their share)."""
+        out = []
+        for i in range(self.position, self.position + count):
+            out.append(int(self._permutation(i // self.num_prompts)[i % self.num_prompts]))
+        self.position += count
+        return out

@@ -1,0 +1,20 @@
+"""Reward functions for the trainer tests (imported by path, also inside reward worker processes)."""
+
+import time
+
+
+def raising(prompt, response, answer):
+    if "3" in answer:
+        raise RuntimeError("boom")
+    return 1.0
+
+
+def hanging(prompt, response, answer):
+    if "3" in answer:
+        time.sleep(600)
+    return 0.5
+
+
+def length(prompt, response, answer):
+    """A reward that varies with the response, so a random tiny model gets non-zero advantages."""
+    return len(response) % 7 / 7.0
