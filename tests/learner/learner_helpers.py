@@ -1,0 +1,179 @@
+"""Helpers for the learner tests: a tiny random Llama, random batches with every field, independent
+reference computations (no learner code), and the environment of spawned gloo workers."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlkit.algos import correction, kl, losses
+from rlkit.batch import TrainBatch
+
+VOCAB = 128
+
+
+def write_tiny_llama(directory, *, seed: int = 0, tie: bool = True) -> str:
+    """A random 2-layer Llama (hidden 32) saved with save_pretrained; fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def make_batch(
+    n: int = 6,
+    prompt_width: int = 7,
+    response_width: int = 9,
+    *,
+    seed: int = 0,
+    prompt_lens: list[int] | None = None,
+    response_lens: list[int] | None = None,
+    all_fields: bool = True,
+) -> TrainBatch:
+    """A TrainBatch with ragged left-padded prompts and right-padded responses.
+
+    Padding positions hold pad id 0 (prompt) and random ids (response; they must never matter).
+    With `all_fields`, every optional per-token field is set to random values.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if prompt_lens is None:
+        prompt_lens = torch.randint(1, prompt_width + 1, (n,), generator=g).tolist()
+    if response_lens is None:
+        response_lens = torch.randint(1, response_width + 1, (n,), generator=g).tolist()
+    prompt_ids = torch.zeros(n, prompt_width, dtype=torch.long)
+    prompt_mask = torch.zeros(n, prompt_width, dtype=torch.bool)
+    response_ids = torch.randint(3, VOCAB, (n, response_width), generator=g)
+    response_mask = torch.zeros(n, response_width, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        prompt_ids[i, prompt_width - p :] = torch.randint(3, VOCAB, (p,), generator=g)
+        prompt_mask[i, prompt_width - p :] = True
+        response_mask[i, :r] = True
+
+    def rand(scale=1.0, shift=0.0):
+        return torch.randn(n, response_width, generator=g) * scale + shift
+
+    optional = {}
+    if all_fields:
+        optional = dict(
+            old_logprobs=rand(0.3, -5.0),
+            ref_logprobs=rand(0.3, -5.0),
+            rollout_logprobs=rand(0.3, -5.0),
+            is_weights=torch.rand(n, response_width, generator=g) + 0.5,
+            values=rand(),
+            returns=rand(),
+        )
+    return TrainBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        advantages=torch.randn(n, 1, generator=g).expand(n, response_width).clone(),
+        **optional,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_worker_env(rank: int, world_size: int, port: int) -> None:
+    """Environment accelerate / torch.distributed read in a spawned CPU worker (gloo)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+
+
+def load_fp32(path: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def full_batch_logprobs(model, batch, temperature: float, generated=None):
+    """log_softmax(logits / T) at the sampled tokens, one forward over the whole padded batch.
+
+    Attention over prompt_mask + `generated` (the generation mask, as HF generate sees it; default
+    response_mask), position ids cumsum(mask) - 1. Returns (logp [N, T], entropy [N, T]) from the full
+    log-softmax tensor.
+    """
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    generated = batch.response_mask if generated is None else generated
+    attn = torch.cat([batch.prompt_mask, generated], 1).long()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    logsm = torch.log_softmax(logits[:, p - 1 : p + t - 1].float() / temperature, -1)
+    logp = logsm.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    return logp, entropy
+
+
+def reference_loss(model, batch, cfg, generated=None):
+    """The configured loss on the whole batch in one piece (policy x IS + KL + rollout KL - entropy)."""
+    logp, entropy = full_batch_logprobs(model, batch, cfg.temperature, generated)
+    mask = batch.response_mask
+    old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs
+    fn = {"ppo_clip": losses.ppo_clip, "gspo": losses.gspo, "cispo": losses.cispo}[cfg.policy_loss]
+    extra = {"dual_clip": cfg.dual_clip} if cfg.policy_loss == "ppo_clip" else {}
+    pg, _ = fn(logp, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, **extra)
+    if batch.is_weights is not None:
+        pg = pg * batch.is_weights
+
+    def agg(x):
+        return losses.aggregate(x, mask, cfg.loss_agg_mode, norm_len=cfg.norm_len)
+
+    loss = agg(pg)
+    if cfg.kl_coef > 0:
+        loss = loss + cfg.kl_coef * agg(kl.kl_estimate(logp, batch.ref_logprobs, cfg.kl_estimator))
+    if cfg.rollout_kl_coef > 0:
+        rk = correction.rollout_kl(logp, batch.rollout_logprobs, kind=cfg.rollout_kl_estimator)
+        loss = loss + cfg.rollout_kl_coef * agg(rk)
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * agg(entropy)
+    return loss
+
+
+def reference_grads(path: str, batch, cfg, generated=None) -> dict[str, torch.Tensor]:
+    model = load_fp32(path)
+    reference_loss(model, batch, cfg, generated).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def learner_grads(learner) -> dict[str, torch.Tensor]:
+    model = learner.accelerator.unwrap_model(learner.model)
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(
+            got[name], expected[name], atol=atol, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )

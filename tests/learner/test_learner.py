@@ -1,0 +1,326 @@
+"""Single-process learner tests: log-probs, micro-batching, exact gradients, masking, no aliasing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from learner_helpers import (
+    assert_grads_close,
+    full_batch_logprobs,
+    learner_grads,
+    load_fp32,
+    make_batch,
+    reference_grads,
+)
+
+from rlkit.algos import advantages, kl
+from rlkit.learner import (
+    AGG_MODES,
+    Learner,
+    LearnerConfig,
+    clean_param_name,
+    pack_microbatches,
+    position_ids_from_mask,
+)
+
+
+def config(path, **kw) -> LearnerConfig:
+    base = dict(model_path=path, dtype="float32", lr=1e-3, max_grad_norm=None, seed=0)
+    return LearnerConfig(**{**base, **kw})
+
+
+# -- pure helpers ---------------------------------------------------------------------------------
+
+
+def test_position_ids_match_generate_for_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    expected = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]])
+    assert torch.equal(position_ids_from_mask(mask), expected)
+
+
+@pytest.mark.parametrize("budget", [10, 25, 60, 1000])
+def test_pack_microbatches_respects_budget_and_covers_every_row(budget):
+    g = torch.Generator().manual_seed(1)
+    plens = torch.randint(1, 12, (23,), generator=g).tolist()
+    rlens = torch.randint(0, 20, (23,), generator=g).tolist()
+    bins = pack_microbatches(plens, rlens, budget)
+    assert sorted(i for b in bins for i in b) == list(range(23))
+    for b in bins:
+        padded = len(b) * (max(plens[i] for i in b) + max(rlens[i] for i in b))
+        # Only a single over-long row may exceed the budget.
+        assert padded <= budget or len(b) == 1
+    if budget >= sum(plens) + sum(rlens) and budget >= 23 * (max(plens) + max(rlens)):
+        assert len(bins) == 1
+
+
+def test_clean_param_name_strips_wrappers_only():
+    assert clean_param_name("module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight") == (
+        "model.layers.0.mlp.weight"
+    )
+    assert clean_param_name("_fsdp_wrapped_module.lm_head.weight") == "lm_head.weight"
+    # "module" inside a real name is left alone.
+    assert clean_param_name("model.some_module.weight") == "model.some_module.weight"
+
+
+def test_config_rejects_bad_values_naming_the_key():
+    with pytest.raises(ValueError, match=r"learner.loss_agg_mode='mean'.*token-mean"):
+        LearnerConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="learner.policy_loss"):
+        LearnerConfig(policy_loss="ppo")
+    with pytest.raises(ValueError, match="learner.temperature"):
+        LearnerConfig(temperature=0)
+
+
+# -- log-probs ------------------------------------------------------------------------------------
+
+
+def test_forward_logprobs_equal_naive_per_sample_loop(tiny_model_dir):
+    temperature = 0.7
+    learner = Learner(config(tiny_model_dir, temperature=temperature, max_tokens_per_microbatch=30))
+    batch = make_batch(n=7, seed=3, all_fields=False)
+    out = learner.forward(batch)
+    assert len(learner.num_microbatches) == 0  # forward does not count as a backward pass
+
+    model = load_fp32(tiny_model_dir)
+    with torch.no_grad():
+        for i in range(batch.num_samples):
+            prompt = batch.prompt_ids[i][batch.prompt_mask[i]]
+            resp = batch.response_ids[i][batch.response_mask[i]]
+            ids = torch.cat([prompt, resp])[None]
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            logsm = torch.log_softmax(logits / temperature, -1)
+            expected = logsm.gather(-1, resp[:, None])[:, 0]
+            entropy = -(logsm.exp() * logsm).sum(-1)
+            r = len(resp)
+            torch.testing.assert_close(out.logprobs[i, :r], expected, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.entropy[i, :r], entropy, atol=1e-5, rtol=0)
+            assert torch.all(out.logprobs[i, r:] == 0)
+
+
+def test_forward_ref_without_reference_model_raises(tiny_model_dir):
+    learner = Learner(config(tiny_model_dir))
+    with pytest.raises(ValueError, match="kl_coef"):
+        learner.forward(make_batch(), ref=True)
+
+
+def test_reference_model_scores_the_initial_policy(tiny_model_dir):
+    learner = Learner(config(tiny_model_dir, kl_coef=0.1, lr=1e-2))
+    batch = make_batch(seed=4)
+    before = learner.forward(batch, ref=True)
+    torch.testing.assert_close(before.logprobs, before.ref_logprobs, atol=1e-6, rtol=0)
+    learner.update(batch)
+    after = learner.forward(batch, ref=True)
+    assert torch.equal(after.ref_logprobs, before.ref_logprobs)  # frozen
+    assert not torch.allclose(after.logprobs, before.logprobs)
+
+
+# -- gradients ------------------------------------------------------------------------------------
+
+FULL_LOSS = dict(
+    clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3", rollout_kl_coef=0.05, entropy_coef=0.01
+)
+
+
+@pytest.mark.parametrize(
+    "mode,policy_loss",
+    [(m, "ppo_clip") for m in AGG_MODES] + [("seq-mean-token-mean", "gspo"), ("token-mean", "cispo")],
+)
+def test_microbatched_gradient_equals_full_batch_gradient(tiny_model_dir, mode, policy_loss):
+    cfg = config(
+        tiny_model_dir, loss_agg_mode=mode, policy_loss=policy_loss, max_tokens_per_microbatch=35, **FULL_LOSS
+    )
+    batch = make_batch(n=8, seed=11)
+    # Make one row fully masked (as zero-std masking does) and one with a hole in its loss mask; the
+    # model still sees every generated token.
+    generated = batch.response_mask
+    mask = generated.clone()
+    mask[2] = False
+    mask[5, 0] = False
+    batch = dataclasses.replace(batch, response_mask=mask)
+
+    learner = Learner(cfg)
+    learner.compute_gradients(batch)
+    assert learner.num_microbatches[-1] >= 3  # the budget really splits the batch
+    assert_grads_close(learner_grads(learner), reference_grads(tiny_model_dir, batch, cfg, generated))
+
+
+def test_norm_len_is_a_global_constant(tiny_model_dir):
+    cfg = config(
+        tiny_model_dir, loss_agg_mode="seq-mean-token-sum-norm", norm_len=16, max_tokens_per_microbatch=30
+    )
+    batch = make_batch(n=6, seed=12, all_fields=False)
+    learner = Learner(cfg)
+    learner.compute_gradients(batch)
+    assert_grads_close(learner_grads(learner), reference_grads(tiny_model_dir, batch, cfg))
+
+
+def test_missing_fields_raise_naming_field_and_key(tiny_model_dir):
+    batch = make_batch(all_fields=False)
+    with pytest.raises(ValueError, match=r"ref_logprobs.*kl_coef"):
+        Learner(config(tiny_model_dir, kl_coef=0.1)).update(batch)
+    with pytest.raises(ValueError, match=r"rollout_logprobs.*rollout_kl_coef"):
+        Learner(config(tiny_model_dir, rollout_kl_coef=0.1)).update(batch)
+
+
+# -- zero-std masking -----------------------------------------------------------------------------
+
+
+def test_zero_std_group_contributes_exactly_zero_gradient_kl_included(tiny_model_dir):
+    cfg = config(
+        tiny_model_dir, kl_coef=0.5, kl_estimator="k3", rollout_kl_coef=0.1, max_tokens_per_microbatch=40
+    )
+    base = make_batch(n=6, seed=21)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 1.0])  # group 1 (rows 2, 3) has zero std
+    adv = advantages.grpo(rewards, 2)[:, None].expand_as(base.advantages).clone()
+    zero_std = advantages.zero_std_groups(rewards, 2)
+    assert zero_std.tolist() == [False, False, True, True, False, False]
+
+    def perturbed(batch):
+        """The zero-std group's reference / rollout log-probs moved far away: only KL terms see it."""
+        ref = batch.ref_logprobs.clone()
+        ref[zero_std] -= 3.0
+        roll = batch.rollout_logprobs.clone()
+        roll[zero_std] += 2.0
+        return dataclasses.replace(batch, ref_logprobs=ref, rollout_logprobs=roll)
+
+    def grads(batch):
+        learner = Learner(cfg)
+        learner.compute_gradients(batch)
+        return learner_grads(learner)
+
+    unmasked = dataclasses.replace(base, advantages=adv)
+    masked = dataclasses.replace(unmasked, response_mask=unmasked.response_mask & ~zero_std[:, None])
+
+    # Masking off: the group's advantage is 0, yet the KL terms still pull on it.
+    g_off, g_off_perturbed = grads(unmasked), grads(perturbed(unmasked))
+    diff = sum((g_off[k] - g_off_perturbed[k]).abs().sum() for k in g_off)
+    assert diff > 1e-3
+    # Masking on: whatever the masked rows hold, the gradient is bit-for-bit the same.
+    g_on, g_on_perturbed = grads(masked), grads(perturbed(masked))
+    for k in g_on:
+        assert torch.equal(g_on[k], g_on_perturbed[k]), k
+
+
+# -- aliasing -------------------------------------------------------------------------------------
+
+
+def test_logged_tensors_are_not_modified_by_advantages_or_update(tiny_model_dir):
+    learner = Learner(config(tiny_model_dir, kl_coef=0.1, lr=1e-2, ppo_epochs=2, mini_batches=2))
+    rb = make_batch(n=6, seed=31, all_fields=False)
+    scored = learner.forward(rb, ref=True)
+    kl_logged = kl.kl_estimate(scored.logprobs, scored.ref_logprobs, "k3")
+    snapshots = {"kl": kl_logged.clone(), "logp": scored.logprobs.clone(), "ref": scored.ref_logprobs.clone()}
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    token_rewards = advantages.kl_shaped_rewards(rewards, kl_logged, rb.response_mask, kl_coef=0.1)
+    adv = advantages.reinforce_pp(token_rewards, rb.response_mask)
+    batch = dataclasses.replace(
+        rb, advantages=adv, old_logprobs=scored.logprobs, ref_logprobs=scored.ref_logprobs
+    )
+    fields = {k: v.clone() for k, v in batch.tensor_fields().items()}
+    learner.update(batch)
+
+    assert torch.equal(kl_logged, snapshots["kl"])
+    assert torch.equal(scored.logprobs, snapshots["logp"])
+    assert torch.equal(scored.ref_logprobs, snapshots["ref"])
+    for k, v in batch.tensor_fields().items():
+        assert torch.equal(v, fields[k]), k
+
+
+# -- training sanity ------------------------------------------------------------------------------
+
+
+def test_updates_raise_likelihood_of_positively_rewarded_responses(tiny_model_dir):
+    learner = Learner(config(tiny_model_dir, lr=3e-3, warmup_steps=1, lr_schedule="cosine", total_steps=8))
+    batch = dataclasses.replace(make_batch(n=6, seed=41, all_fields=False), old_logprobs=None)
+    batch = dataclasses.replace(batch, advantages=torch.ones_like(batch.advantages))
+    mask = batch.response_mask
+
+    def nll():
+        logp = learner.forward(batch).logprobs
+        return -(logp * mask).sum() / mask.sum()
+
+    losses, lrs = [nll()], []
+    for _ in range(8):
+        metrics = learner.update(batch)
+        lrs.append(float(metrics["lr"]))
+        losses.append(nll())
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] - 0.1
+    # Warm-up then cosine: lr rises, then decays.
+    assert lrs[0] < lrs[1] and lrs[-1] < lrs[1]
+    # On-policy ppo_clip: ratio 1, loss = -mean advantage = -1.
+    torch.testing.assert_close(metrics["loss/policy"], torch.tensor(-1.0))
+
+
+def test_off_policy_update_recomputes_old_logprobs(tiny_model_dir):
+    cfg = config(tiny_model_dir, lr=1e-2, ppo_epochs=2, mini_batches=2, max_tokens_per_microbatch=40)
+    batch = dataclasses.replace(make_batch(n=6, seed=51, all_fields=False), old_logprobs=None)
+    metrics = Learner(cfg).update(batch)
+    # 4 optimizer steps: the first mini-batch of epoch 1 starts at ratio 1 exactly; later ones move.
+    assert metrics["policy/ratio_max"] > 1.0 + 1e-4 or metrics["policy/ratio_min"] < 1.0 - 1e-4
+    assert metrics["policy/approx_kl_k3"] > 0
+
+
+def test_value_model_trains_toward_returns(tiny_model_dir):
+    cfg = config(tiny_model_dir, value_model=True, vf_coef=1.0, value_clip=None, lr=1e-2)
+    learner = Learner(cfg)
+    batch = make_batch(n=6, seed=61)
+    batch = dataclasses.replace(batch, returns=torch.full_like(batch.returns, 2.0))
+    mask = batch.response_mask
+
+    def value_error():
+        v = learner.forward(batch, policy=False, values=True).values
+        return ((v - 2.0) ** 2 * mask).sum() / mask.sum()
+
+    before = value_error()
+    for _ in range(5):
+        metrics = learner.update(batch)
+    assert value_error() < 0.5 * before
+    assert "loss/value" in metrics and "value/grad_norm" in metrics
+
+
+def test_named_weights_and_checkpoint_roundtrip(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    learner = Learner(config(tiny_model_dir, lr=1e-2))
+    batch = make_batch(seed=71, all_fields=False)
+    learner.update(batch)
+    weights = dict(learner.named_weights())
+    state = learner.accelerator.unwrap_model(learner.model).state_dict()
+    # Tied lm_head is exported once, under the embedding's name.
+    assert set(weights) == set(state) - {"lm_head.weight"}
+    for k, v in weights.items():
+        assert torch.equal(v, state[k])
+
+    learner.save_checkpoint(tmp_path / "ckpt")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model", dtype=torch.float32)
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+    # Resume: a fresh learner loaded from the checkpoint takes the same next step as the original.
+    resumed = Learner(config(tiny_model_dir, lr=1e-2))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.global_step == learner.global_step == 1
+    learner.update(batch)
+    resumed.update(batch)
+    for (k, a), (_, b) in zip(learner.named_weights(), resumed.named_weights()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=k)
+
+
+def test_full_batch_reference_is_independent_of_padding_width(tiny_model_dir):
+    """Guards the test oracle itself: extra padding columns do not change its log-probs."""
+    model = load_fp32(tiny_model_dir)
+    batch = make_batch(n=4, seed=81, all_fields=False)
+    wide = dataclasses.replace(
+        batch,
+        prompt_ids=torch.cat([torch.zeros(4, 3, dtype=torch.long), batch.prompt_ids], 1),
+        prompt_mask=torch.cat([torch.zeros(4, 3, dtype=torch.bool), batch.prompt_mask], 1),
+    )
+    with torch.no_grad():
+        a, _ = full_batch_logprobs(model, batch, 1.0)
+        b, _ = full_batch_logprobs(model, wide, 1.0)
+    m = batch.response_mask
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
