@@ -1,0 +1,180 @@
+"""Two-process CPU tests (gloo): DDP through accelerate, and FSDP2 weight export with torch's fully_shard."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from learner_helpers import (
+    assert_grads_close,
+    free_port,
+    init_worker_env,
+    learner_grads,
+    make_batch,
+    reference_grads,
+    write_tiny_llama,
+)
+
+from rlkit.learner import AGG_MODES, Learner, LearnerConfig
+
+FULL_LOSS = dict(
+    dtype="float32",
+    max_grad_norm=None,
+    lr=1e-3,
+    clip_high=0.28,
+    dual_clip=3.0,
+    kl_coef=0.1,
+    kl_estimator="k3",
+    rollout_kl_coef=0.05,
+    entropy_coef=0.01,
+    max_tokens_per_microbatch=25,
+)
+
+
+def global_batch():
+    """8 rows with every field set; row 6 fully masked (zero-std group), a hole in row 1's loss mask."""
+    batch = make_batch(
+        n=8,
+        prompt_width=6,
+        response_width=8,
+        seed=5,
+        prompt_lens=[6, 5, 6, 4, 2, 1, 3, 2],
+        response_lens=[8, 7, 8, 6, 2, 1, 3, 1],
+    )
+    mask = batch.response_mask.clone()
+    mask[6] = False
+    mask[1, 2] = False
+    return batch, dataclasses.replace(batch, response_mask=mask)
+
+
+# Rank 0 gets the four long rows (several micro-batches), rank 1 the four short ones (one micro-batch).
+RANK_ROWS = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    init_worker_env(rank, world_size, port)
+    _, batch = global_batch()
+    local = batch.select(RANK_ROWS[rank])
+    results = {}
+    for mode in AGG_MODES:
+        learner = Learner(LearnerConfig(model_path=model_dir, loss_agg_mode=mode, **FULL_LOSS))
+        assert learner.world_size == 2
+        learner.compute_gradients(local)
+        results[mode] = {"grads": learner_grads(learner), "counts": list(learner.num_microbatches)}
+    # One real update: metrics merged over micro-batches and ranks, and the weights after the step.
+    learner = Learner(LearnerConfig(model_path=model_dir, **FULL_LOSS))
+    metrics = learner.update(local)
+    results["update"] = {"metrics": metrics, "weights": dict(learner.named_weights())}
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_model_dir, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_real_microbatch_counts_differ_between_ranks():
+    """Guards the setup: without padding micro-batches the two ranks would run different counts."""
+    from rlkit.learner import _microbatches
+
+    _, batch = global_batch()
+    counts = [
+        len(_microbatches(batch.select(RANK_ROWS[r]), FULL_LOSS["max_tokens_per_microbatch"])) for r in (0, 1)
+    ]
+    assert counts[0] >= 3 and counts[1] == 1
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_two_process_gradient_equals_full_batch_gradient(ddp_results, tiny_model_dir, mode):
+    generated, batch = global_batch()
+    cfg = LearnerConfig(model_path=tiny_model_dir, loss_agg_mode=mode, **FULL_LOSS)
+    expected = reference_grads(tiny_model_dir, batch, cfg, generated.response_mask)
+    for rank in (0, 1):
+        assert_grads_close(ddp_results[rank][mode]["grads"], expected)
+
+
+def test_every_rank_runs_the_same_number_of_microbatches(ddp_results):
+    counts = [ddp_results[r]["token-mean"]["counts"] for r in (0, 1)]
+    assert counts[0] == counts[1] and counts[0][0] >= 3
+
+
+def test_padding_microbatches_do_not_dilute_metrics(ddp_results, tiny_model_dir):
+    """The merged 2-rank metrics (rank 1 runs padding micro-batches) equal a 1-process full-batch update."""
+    _, batch = global_batch()
+    single = Learner(LearnerConfig(model_path=tiny_model_dir, **FULL_LOSS))
+    expected = single.update(batch)
+    got = ddp_results[0]["update"]["metrics"]
+    assert got.keys() == expected.keys()
+    for k in expected:
+        if k == "learner/tokens_per_s":
+            continue
+        torch.testing.assert_close(got[k], expected[k], atol=1e-5, rtol=1e-5, msg=k)
+    # Padding rows would pull the minimum ratio to 0 if they were merged.
+    assert got["policy/ratio_min"] > 0.1
+    for k, v in dict(single.named_weights()).items():
+        torch.testing.assert_close(ddp_results[0]["update"]["weights"][k], v, atol=1e-6, rtol=1e-5, msg=k)
+        torch.testing.assert_close(ddp_results[1]["update"]["weights"][k], v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_padding_microbatch_carries_every_field_with_mask_zero():
+    from rlkit.learner import _padding_micro
+
+    _, batch = global_batch()
+    pad = _padding_micro(batch)
+    assert pad.padding
+    fields = pad.batch.tensor_fields()
+    assert fields.keys() == batch.tensor_fields().keys()
+    assert all(v is not None for v in dataclasses.asdict(pad.batch).values())
+    assert not pad.batch.response_mask.any()
+    for k, v in fields.items():
+        assert v.shape[1:] == batch.tensor_fields()[k].shape[1:] and torch.isfinite(v.float()).all(), k
+
+
+# -- FSDP2 weight export ----------------------------------------------------------------------------
+
+
+def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.learner import iter_full_parameters
+
+    init_worker_env(rank, world_size, port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # Activation checkpointing renames layers (`_checkpoint_wrapped_module`), as accelerate does.
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    assert sharded, "fully_shard should turn parameters into DTensor shards"
+    exported = {}
+    for name, tensor in iter_full_parameters(model):
+        assert not isinstance(tensor, DTensor)
+        exported[name] = tensor.clone()
+    torch.save({"exported": exported, "num_sharded": len(sharded)}, f"{out_dir}/fsdp{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_export_equals_unsharded_state_dict(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_tiny_llama(tmp_path / "untied", seed=3, tie=False)
+    mp.spawn(_fsdp_worker, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"fsdp{rank}.pt", weights_only=False)
+        assert got["num_sharded"] == len(expected)
+        assert got["exported"].keys() == expected.keys()  # transformers names, wrappers stripped
+        for k, v in expected.items():
+            assert torch.equal(got["exported"][k], v), k
