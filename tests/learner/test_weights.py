@@ -1,0 +1,87 @@
+"""push_weights: the engine ends up with exactly the learner's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from learner_helpers import make_batch
+
+from rlkit.learner import Learner, LearnerConfig
+from rlkit.weights import push_weights
+
+
+class RecordingEngine:
+    """Stands in for a rollout engine: keeps what it was given, consuming the iterator lazily."""
+
+    def __init__(self):
+        self.received = {}
+
+    def load_weights(self, named_tensors):
+        for name, tensor in named_tensors:
+            self.received[name] = tensor.clone()
+
+
+def test_push_weights_streams_every_tensor_with_stats(tiny_model_dir):
+    learner = Learner(LearnerConfig(model_path=tiny_model_dir, dtype="float32", lr=1e-2))
+    learner.update(make_batch(all_fields=False))
+    engine = RecordingEngine()
+    stats = push_weights(learner, engine, dtype=torch.bfloat16)
+
+    model = learner.accelerator.unwrap_model(learner.model)
+    expected = dict(model.named_parameters())  # tied lm_head appears once, as the embedding
+    assert engine.received.keys() == expected.keys()
+    for k, v in expected.items():
+        assert engine.received[k].dtype == torch.bfloat16
+        assert torch.equal(engine.received[k], v.detach().to(torch.bfloat16)), k
+    numel = sum(v.numel() for v in expected.values())
+    assert stats["num_tensors"] == len(expected)
+    assert stats["num_params"] == numel
+    assert stats["bytes"] == 2 * numel
+    assert stats["seconds"] > 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer_model_dir(tmp_path_factory):
+    """A tiny random Llama sharing SmolLM2's real tokenizer (the HF engine needs one)."""
+    models = pytest.importorskip("rlkit.models")
+    return models.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok"), hidden_size=32, num_layers=2)
+
+
+def test_push_into_hf_engine_then_engine_and_learner_logprobs_agree(tokenizer_model_dir):
+    """DESIGN invariant: right after a push (fp32), engine log-probs equal the learner's (mismatch ~ 0)."""
+    hf = pytest.importorskip("rlkit.rollout.hf")
+    from rlkit.models import load_tokenizer
+    from rlkit.rollout.base import Sampling
+
+    temperature = 0.8
+    cfg = LearnerConfig(model_path=tokenizer_model_dir, dtype="float32", lr=1e-2, temperature=temperature)
+    learner = Learner(cfg)
+    tokenizer = load_tokenizer(tokenizer_model_dir)
+    engine = hf.HFEngine(tokenizer_model_dir, tokenizer, dtype=torch.float32, device="cpu", seed=0)
+    prompts = [tokenizer.encode("What is 2 + 3?"), tokenizer.encode("Name a colour.")]
+    sampling = Sampling(temperature=temperature, max_new_tokens=8, seed=0)
+
+    rb = engine.generate(prompts, 2, sampling)
+    batch = make_batch(all_fields=False)
+    batch = type(batch)(
+        prompt_ids=rb.prompt_ids,
+        prompt_mask=rb.prompt_mask,
+        response_ids=rb.response_ids,
+        response_mask=rb.response_mask,
+        advantages=torch.randn(rb.response_ids.shape, generator=torch.Generator().manual_seed(0)),
+    )
+    learner.update(batch)  # the learner's weights move away from the engine's
+    before = learner.forward(rb).logprobs
+    mask = rb.response_mask
+    assert (before - rb.rollout_logprobs)[mask].abs().max() > 1e-3
+
+    push_weights(learner, engine)
+    mine = learner.accelerator.unwrap_model(learner.model).state_dict()
+    theirs = engine.model.state_dict()
+    for k, v in mine.items():
+        assert torch.equal(theirs[k], v), k
+    rb2 = engine.generate(prompts, 2, sampling)
+    scored = learner.forward(rb2).logprobs
+    torch.testing.assert_close(
+        scored[rb2.response_mask], rb2.rollout_logprobs[rb2.response_mask], atol=1e-4, rtol=0
+    )
