@@ -1,0 +1,121 @@
+"""Metric sinks: Weights & Biases (offline automatically without an API key), console, or none.
+
+Whatever the sink, `<run_dir>/metrics.jsonl` gets one JSON line per step (the lead's plots read it).
+Only rank 0 logs; metrics arrive already reduced across ranks (see rlkit.metrics / rlkit.trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """The commit of the code being run (None outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd or Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def wandb_logged_in() -> bool:
+    """True when W&B has an API key (env var or a netrc login for its host)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Logs one dict of floats per step to the chosen backend and to `<run_dir>/metrics.jsonl`.
+
+    Args:
+        backend: wandb | console | none.
+        run_dir: run directory (metrics.jsonl is appended to, so a resumed run continues the file).
+        config: the resolved config (stored with the W&B run, with the git commit).
+        project / entity / name / tags: W&B run settings.
+        resume_id: W&B run id of the run being resumed (the same W&B run continues).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        run_dir: str | Path,
+        config: dict,
+        *,
+        project: str = "rlkit",
+        entity: str | None = None,
+        name: str | None = None,
+        tags: list[str] | None = None,
+        resume_id: str | None = None,
+    ):
+        self.backend = backend
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.run = None
+        self.run_id: str | None = resume_id
+        if backend == "wandb":
+            import wandb
+
+            mode = os.environ.get("WANDB_MODE")
+            if mode is None and not wandb_logged_in():
+                mode = "offline"
+                print("W&B: no API key found (WANDB_API_KEY / `wandb login`): logging offline.", flush=True)
+            self.run = wandb.init(
+                project=project,
+                entity=entity,
+                name=name,
+                tags=tags,
+                dir=os.environ.get("WANDB_DIR", str(self.run_dir)),
+                config={**config, "git_commit": git_commit()},
+                id=resume_id,
+                resume="allow" if resume_id else None,
+                mode=mode,
+            )
+            self.run_id = self.run.id
+            if mode == "offline":
+                run_path = Path(self.run.dir).parent
+                print(f"W&B: offline run in {run_path}; upload later with: wandb sync {run_path}", flush=True)
+        elif backend not in ("console", "none"):
+            raise ValueError(f"logger.backend={backend!r} is not one of ['wandb', 'console', 'none']")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._jsonl.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
+        self._jsonl.flush()
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+        elif self.backend == "console":
+            shown = " ".join(
+                f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, (int, float))
+            )
+            print(f"[step {step}] {shown}", flush=True)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,113 @@
+"""`python -m rlkit.train +recipe=NAME [key=value ...]`: the command-line entry point.
+
+Composes the Hydra config (configs/ + recipes/ + overrides), validates it before any model loads, and
+runs the trainer: in this process, or in one process per GPU that it starts itself (torch's elastic
+launcher), or in the processes `torchrun` / `accelerate launch` started (RANK / WORLD_SIZE set).
+
+    python -m rlkit.train +recipe=quickstart                      # offline, CPU
+    python -m rlkit.train +recipe=grpo_gsm8k trainer.steps=50 rollout.group_size=16
+    torchrun --nproc-per-node 8 -m rlkit.train +recipe=grpo_gsm8k
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import hydra
+from omegaconf import DictConfig
+
+from rlkit.config import CONFIG_DIR, RLConfig, load_config, register_configs, to_dict
+
+log = logging.getLogger(__name__)
+
+# Recipes (recipes/*.yaml) become the Hydra group `recipe`, so `+recipe=NAME` works from any folder.
+register_configs()
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """The composed (unvalidated) config for `overrides`, as the command line would build it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return hydra_compose("config", overrides=list(overrides or []))
+
+
+def _launched_world_size() -> int | None:
+    """WORLD_SIZE when an external launcher (torchrun, accelerate launch) started this process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _default_num_processes(cfg: DictConfig) -> int:
+    if cfg.trainer.num_processes is not None:
+        return int(cfg.trainer.num_processes)
+    import torch
+
+    if cfg.trainer.device != "cpu" and torch.cuda.is_available():
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def _worker(config: dict) -> None:
+    """Entry of each process started by `launch` (module level so it can be pickled)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        # Processes share the cores; without this each one starts a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    from rlkit.trainer import run
+
+    run(load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: RLConfig, num_processes: int) -> None:
+    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_processes,
+        run_id=f"rlkit-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=1,
+    )
+    # The resolved config travels to the children, so they all agree on run_dir and every other value.
+    elastic_launch(config, _worker)(to_dict(cfg))
+
+
+def main_from_config(cfg: DictConfig) -> None:
+    launched = _launched_world_size()
+    if launched is not None:
+        _worker(cfg)
+        return
+    n = _default_num_processes(cfg)
+    config = load_config(cfg, world_size=n)  # fail before any process starts or model loads
+    if n == 1:
+        from rlkit.trainer import run
+
+        run(config)
+    else:
+        launch(config, n)
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    main_from_config(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,589 @@
+"""The training loop: one step = numbered phases, each inside a timer (`timing/<phase>_s`).
+
+    1 generate     engine.wake -> engine.generate (whole groups per rank) -> engine.sleep
+    2 reward       reward functions in worker processes (errors / timeouts count, never crash)
+    3 logprobs     learner.forward: current policy (mismatch metrics, IS, off-policy ratio),
+                   reference (KL), values (PPO)
+    4 advantages   rlkit.algos.advantages (+ zero-std group masking, + KL-shaped rewards for PPO)
+    5 correction   rlkit.algos.correction.rollout_is + mismatch metrics
+    6 update       learner.update(TrainBatch)
+    7 weight push  rlkit.weights.push_weights (+ the weight-sync check at the first steps)
+    8 eval         every trainer.eval_every steps and at the end (never masked)
+    9 checkpoint   every trainer.save_every steps, at the end, and on SIGTERM / SIGINT
+
+Every rank runs the same code on its own prompts; per-sample statistics are gathered across ranks and
+token statistics merged by token counts, so the logged numbers describe the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import resource
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlkit.config import RLConfig, to_dict
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+class WeightSyncError(RuntimeError):
+    """The rollout engine's weights differ from the learner's (the weight push did not happen)."""
+
+
+class Timers:
+    """`with timers("generate"): ...` accumulates wall seconds under `timing/generate_s`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # GPU work is asynchronous: time it to completion
+            self.seconds[f"timing/{name}_s"] = (
+                self.seconds.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
+            )
+
+
+def learner_config(cfg: RLConfig):
+    """Map the run config onto the learner's own config (defaults live in RLConfig only)."""
+    from rlkit.learner import LearnerConfig
+
+    a, t = cfg.algo, cfg.trainer
+    return LearnerConfig(
+        model_path=cfg.model.path,
+        dtype=cfg.model.dtype,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        betas=tuple(t.betas),
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps * a.ppo_epochs * a.mini_batches,
+        lr_schedule=t.lr_schedule,
+        max_grad_norm=t.max_grad_norm,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        temperature=cfg.rollout.temperature,
+        policy_loss=a.policy_loss,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        dual_clip=a.dual_clip,
+        loss_agg_mode=a.loss_agg_mode,
+        norm_len=a.norm_len if a.norm_len is not None else cfg.rollout.max_new_tokens,
+        # With KL in the reward the KL is not a loss term; the reference is still needed (loaded below).
+        kl_coef=0.0 if a.kl_in_reward else a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        rollout_kl_coef=a.rollout_kl_coef,
+        rollout_kl_estimator=a.rollout_kl_estimator,
+        entropy_coef=a.entropy_coef,
+        value_model=a.value_model,
+        vf_coef=a.vf_coef,
+        value_clip=a.value_clip,
+        ppo_epochs=a.ppo_epochs,
+        mini_batches=a.mini_batches,
+        seed=t.seed,
+    )
+
+
+def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
+    """Generation seed as a pure function of (seed, step, rank): an exact resume needs no engine RNG state."""
+    return (((seed * 1_000_003 + step) * 10_007 + rank) * 31 + salt) % (2**31 - 1)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `run_dir/checkpoints` (temp dirs are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := CHECKPOINT_RE.match(p.name)) and (p / TRAINER_STATE).exists()
+    ]
+    return max(done)[1] if done else None
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1)
+
+
+class Trainer:
+    """Builds everything from the config and runs `train()`. One instance per rank."""
+
+    def __init__(self, cfg: RLConfig):
+        from rlkit.data import PromptOrder, build_prompts, load_splits
+        from rlkit.learner import Learner, make_accelerator
+        from rlkit.models import load_causal_lm, load_tokenizer
+        from rlkit.rewards import RewardScorer
+        from rlkit.rollout import make_engine
+
+        self.cfg = cfg
+        t, r = cfg.trainer, cfg.rollout
+        self.lcfg = learner_config(cfg)
+        # The accelerator initialises torch.distributed when launched with several processes.
+        self.accelerator = make_accelerator(self.lcfg)
+        self.rank = self.accelerator.process_index
+        self.world = self.accelerator.num_processes
+        self.is_main = self.rank == 0
+        self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        train_ds, eval_ds = load_splits(cfg.data, seed=t.seed)
+        self.train_prompts = build_prompts(train_ds, self.tokenizer, cfg.data, name="train")
+        self.eval_prompts = (
+            build_prompts(eval_ds, self.tokenizer, cfg.data, name="eval") if len(eval_ds) else None
+        )
+        self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
+        self.group_size = r.group_size
+        self.prompts_per_rank = t.train_batch_size // (r.group_size * self.world)
+
+        self.scorer = RewardScorer(
+            cfg.reward.fn,
+            cfg.reward.extra,
+            timeout_s=cfg.reward.timeout_s,
+            num_workers=cfg.reward.num_workers,
+            also=["math"],
+        )
+        self.learner = Learner(self.lcfg, self.accelerator)
+        self.device = self.learner.device
+        if cfg.algo.kl_in_reward and self.learner.ref_model is None:
+            # KL-in-reward (PPO) needs reference log-probs but no KL loss term.
+            self.learner.ref_model = load_causal_lm(
+                cfg.model.path, dtype=self.learner.compute_dtype, device=self.device
+            )
+            self.learner.ref_model.eval().requires_grad_(False)
+        engine_device = self.device.type if t.device == "auto" else t.device
+        self.engine = make_engine(
+            r.engine,
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            device=engine_device,
+            seed=t.seed,
+            **r.engine_kwargs,
+        )
+
+        self.step = 0
+        self.wandb_id = None
+        self._stop_signal: int | None = None
+        resume_from = self._resume_path()
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+
+        self.logger = None
+        if self.is_main:
+            from rlkit.logging import MetricsLogger
+
+            lc = cfg.logger
+            self.logger = MetricsLogger(
+                lc.backend, self.run_dir, to_dict(cfg), project=lc.project, entity=lc.entity, name=lc.name,
+                tags=lc.tags, resume_id=self.wandb_id,
+            )  # fmt: skip
+            self.wandb_id = self.logger.run_id
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+
+    # -- distributed helpers -------------------------------------------------------------------
+
+    def _broadcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate a per-rank [n, ...] tensor over ranks (same n on every rank)."""
+        if self.world == 1:
+            return x
+        x = x.to(self.device).contiguous()
+        out = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(out, x)
+        return torch.cat(out)
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        x = x.to(self.device).clone()
+        dist.all_reduce(x)
+        return x
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling, seed: int):
+        """engine.generate, seeded so the samples are a pure function of (seed, step, rank)."""
+        return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+
+    def _sampling(self, *, eval: bool = False):
+        from rlkit.rollout.base import Sampling
+
+        r = self.cfg.rollout
+        return Sampling(
+            temperature=r.eval_temperature if eval else r.temperature,
+            top_p=1.0 if eval else r.top_p,
+            top_k=0 if eval else r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop=tuple(r.stop),
+        )
+
+    def train_step(self) -> dict[str, float]:
+        """One step on this rank's share of the global batch; returns the global metrics (all ranks)."""
+        from rlkit.algos import advantages as adv
+        from rlkit.algos import correction, kl
+        from rlkit.batch import TrainBatch
+        from rlkit.metrics import MetricMerger
+        from rlkit.weights import push_weights
+
+        cfg, a = self.cfg, self.cfg.algo
+        G = self.group_size
+        timers = Timers()
+        step_start = time.perf_counter()
+
+        # 1. generate: this rank's prompts of the global batch, whole groups only.
+        with timers("generate"):
+            indices = self.order.next(self.prompts_per_rank * self.world)
+            mine = indices[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
+            self.engine.wake()
+            rb = self._generate(
+                [self.train_prompts.token_ids[i] for i in mine],
+                G,
+                self._sampling(),
+                sampling_seed(cfg.trainer.seed, self.step, self.rank),
+            )
+            self.engine.sleep()
+        mask = rb.response_mask.to(self.device).bool()
+        rollout_logp = rb.rollout_logprobs.to(self.device).float()
+
+        # 2. reward
+        with timers("reward"):
+            texts = [self.train_prompts.texts[i] for i in mine for _ in range(G)]
+            answers = [self.train_prompts.answers[i] for i in mine for _ in range(G)]
+            scores = self.scorer.score(texts, list(rb.response_texts), answers)
+            rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
+            correct = torch.tensor(scores.per_fn["math"], dtype=torch.float32, device=self.device)
+
+        # 3. log-probs. The current policy's log-probs are needed every step for the mismatch metrics
+        # (and serve as the PPO ratio's denominator when the update is off-policy).
+        need_ref = a.kl_coef > 0
+        with timers("logprobs"):
+            lp = self.learner.forward(rb, policy=True, ref=need_ref, values=a.value_model)
+        logp = lp.logprobs.to(self.device)
+        token_metrics = MetricMerger()
+        kl_tok = None
+        if need_ref:
+            # The KL to the reference as the rollout saw it, measured before any advantage code runs.
+            kl_tok = kl.kl_estimate(logp, lp.ref_logprobs.to(self.device), a.kl_estimator)
+            token_metrics.add({"rollout/kl": _masked_mean(kl_tok, mask)}, mask.sum())
+        token_metrics.add({"rollout/entropy": _masked_mean(lp.entropy.to(self.device), mask)}, mask.sum())
+
+        # 4. advantages
+        with timers("advantages"):
+            zero_std = adv.zero_std_groups(rewards, G)
+            returns = None
+            if a.adv_estimator in ("grpo", "rloo"):
+                seq_adv = (
+                    adv.grpo(rewards, G, norm_by_std=a.norm_by_std)
+                    if a.adv_estimator == "grpo"
+                    else adv.rloo(rewards, G)
+                )
+                advantages = seq_adv[:, None] * mask
+            else:
+                kl_for_reward = kl_tok if a.kl_in_reward else torch.zeros_like(rollout_logp)
+                token_rewards = adv.kl_shaped_rewards(
+                    rewards, kl_for_reward, mask, kl_coef=a.kl_coef if a.kl_in_reward else 0.0
+                )
+                if a.adv_estimator == "gae":
+                    advantages, returns = adv.gae(
+                        token_rewards, lp.values.to(self.device), mask, gamma=a.gamma, lam=a.lam
+                    )
+                else:
+                    advantages = adv.reinforce_pp(token_rewards, mask, gamma=a.gamma)
+            loss_mask = mask & ~zero_std[:, None] if a.mask_zero_std_groups else mask
+
+        # 5. rollout correction (engine vs learner mismatch)
+        with timers("correction"):
+            token_metrics.add(correction.mismatch_metrics(logp, rollout_logp, mask), mask.sum())
+            rkl = correction.rollout_kl(logp, rollout_logp, kind=a.rollout_kl_estimator)
+            token_metrics.add({"rollout_kl": _masked_mean(rkl, mask)}, mask.sum())
+            is_weights = None
+            if a.rollout_is.enabled:
+                c = a.rollout_is
+                is_weights, loss_mask, is_metrics = correction.rollout_is(
+                    logp, rollout_logp, loss_mask, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
+                    veto_lower=c.veto_lower, veto_upper=c.veto_upper,
+                )  # fmt: skip
+                token_metrics.add(is_metrics, mask.sum())
+
+        # 6. update
+        with timers("update"):
+            batch = TrainBatch(
+                prompt_ids=rb.prompt_ids.to(self.device),
+                prompt_mask=rb.prompt_mask.to(self.device),
+                response_ids=rb.response_ids.to(self.device),
+                response_mask=loss_mask,
+                advantages=advantages,
+                old_logprobs=logp if self.lcfg.off_policy else None,
+                ref_logprobs=lp.ref_logprobs.to(self.device) if self.lcfg.kl_coef > 0 else None,
+                rollout_logprobs=rollout_logp if a.rollout_kl_coef > 0 else None,
+                is_weights=is_weights,
+                values=lp.values.to(self.device) if a.value_model else None,
+                returns=returns,
+            )
+            update_metrics = self.learner.update(batch)
+
+        # 7. weight push
+        with timers("weight_push"):
+            push_stats = push_weights(self.learner, self.engine)
+
+        # Global per-sample statistics (ranks hold equal numbers of samples).
+        lengths = self._gather(mask.sum(-1).float())
+        clipped = torch.tensor(
+            [f == "length" for f in rb.finish_reasons], dtype=torch.float32, device=self.device
+        )
+        all_rewards, all_correct = self._gather(rewards), self._gather(correct)
+        tokens = self._sum(
+            torch.tensor([float(rb.stats.get("gen_tokens", float(mask.sum())))], device=self.device)
+        )
+        stats = {
+            "reward/mean": all_rewards.mean(),
+            "reward/std": all_rewards.std(unbiased=False) if all_rewards.numel() > 1 else torch.zeros(()),
+            "reward/max": all_rewards.max(),
+            "reward/min": all_rewards.min(),
+            "accuracy": all_correct.mean(),
+            "frac_reward_zero_std": self._gather(zero_std.float()).mean(),
+            "response_length/mean": lengths.mean(),
+            "response_length/max": lengths.max(),
+            "response_length/clip_ratio": self._gather(clipped).mean(),
+            "reward/errors": self._sum(torch.tensor([float(scores.errors)], device=self.device))[0],
+            "reward/timeouts": self._sum(torch.tensor([float(scores.timeouts)], device=self.device))[0],
+        }
+        for name, values in scores.per_fn.items():
+            short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn
+            stats[f"reward/{short}"] = self._gather(torch.tensor(values, device=self.device)).mean()
+        stats.update(token_metrics.compute())
+        stats.update(update_metrics)
+        # The one host sync of the step.
+        names = list(stats)
+        values = torch.stack(
+            [torch.as_tensor(stats[k], dtype=torch.float32).reshape(()).cpu() for k in names]
+        ).tolist()
+        metrics = dict(zip(names, values))
+        metrics.update(timers.seconds)
+        elapsed = time.perf_counter() - step_start
+        metrics["timing/step_s"] = elapsed
+        metrics["perf/tokens_per_s"] = float(tokens[0]) / max(elapsed, 1e-9)
+        metrics["perf/gen_tokens_per_s"] = float(tokens[0]) / max(timers.seconds["timing/generate_s"], 1e-9)
+        metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
+        metrics["perf/peak_memory_gb"] = _peak_memory_gb()
+        return metrics
+
+    def _check_weight_sync(self, metrics: dict[str, float], *, after_push: bool) -> None:
+        value = metrics.get("mismatch/kl")
+        threshold = self.cfg.rollout.weight_sync_kl_threshold
+        if value is not None and abs(value) > threshold:
+            when = "right after the first weight push" if after_push else "before training (step 0)"
+            raise WeightSyncError(
+                f"mismatch/kl={value:.4g} {when} exceeds rollout.weight_sync_kl_threshold={threshold}: the rollout "
+                f"engine's weights differ from the learner's (engine={self.engine.name}). The weight push is not "
+                "reaching the engine, or the two load different models/dtypes."
+            )
+
+    # -- eval ----------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """pass@1 (and pass@k with rollout.eval_group_size = k > 1) on the held-out split; never masked."""
+        if self.eval_prompts is None:
+            return {}
+        k = self.cfg.rollout.eval_group_size
+        mine = list(range(self.rank, len(self.eval_prompts), self.world))
+        sums = torch.zeros(3, device=self.device)  # correct samples, samples, prompts with any correct
+        if mine:
+            self.engine.wake()
+            rb = self._generate(
+                [self.eval_prompts.token_ids[i] for i in mine], k, self._sampling(eval=True),
+                sampling_seed(self.cfg.trainer.seed, self.step, self.rank, salt=1),
+            )  # fmt: skip
+            self.engine.sleep()
+            texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
+            answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
+            correct = torch.tensor(
+                self.scorer.score(texts, list(rb.response_texts), answers).per_fn["math"], device=self.device
+            )
+            per_prompt = correct.reshape(len(mine), k)
+            sums = torch.stack(
+                [
+                    correct.sum(),
+                    torch.tensor(float(correct.numel()), device=self.device),
+                    (per_prompt > 0).any(-1).float().sum(),
+                ]
+            )
+        sums = self._sum(sums).tolist()
+        out = {"eval/pass@1": sums[0] / max(sums[1], 1)}
+        if k > 1:
+            out[f"eval/pass@{k}"] = sums[2] / max(sums[1] / k, 1)
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.run_dir)
+        path = Path(resume)
+        if not (path / TRAINER_STATE).exists():
+            raise FileNotFoundError(
+                f"trainer.resume={resume!r} is not a complete checkpoint (no {TRAINER_STATE})"
+            )
+        return path
+
+    def save_checkpoint(self) -> Path:
+        """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete."""
+        root = self.run_dir / "checkpoints"
+        final = root / f"step_{self.step}"
+        tmp = root / f".tmp-step_{self.step}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
+            tmp.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        self.learner.save_checkpoint(tmp)
+        if self.is_main:
+            self.tokenizer.save_pretrained(tmp / "model")
+            state = {
+                "step": self.step,
+                "data_position": self.order.position,
+                "wandb_id": self.wandb_id,
+                "world_size": self.world,
+            }
+            (tmp / TRAINER_STATE).write_text(json.dumps(state))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune(root)
+        self.accelerator.wait_for_everyone()
+        log.info("checkpoint written: %s", final)
+        return final
+
+    def _prune(self, root: Path) -> None:
+        keep = self.cfg.trainer.keep_last
+        if keep <= 0:
+            return
+        done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+        for _, path in done[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _load_checkpoint(self, path: Path) -> None:
+        from rlkit.weights import push_weights
+
+        state = json.loads((path / TRAINER_STATE).read_text())
+        self.learner.load_checkpoint(path)
+        self.step = state["step"]
+        self.order.position = state["data_position"]
+        self.wandb_id = state.get("wandb_id")
+        # The engine was built from the initial weights: give it the checkpoint's.
+        push_weights(self.learner, self.engine)
+        if self.is_main:
+            print(f"Resumed from {path} at step {self.step}", flush=True)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame):
+        self._stop_signal = signum
+        log.warning("received signal %d: finishing this step, writing a checkpoint and exiting", signum)
+
+    def _should_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
+        return bool(self._sum(flag)[0] > 0)
+
+    def train(self) -> list[dict[str, float]]:
+        """Run from the current step to trainer.steps; returns the logged metrics of each step."""
+        t = self.cfg.trainer
+        history = []
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread
+                previous[sig] = signal.signal(sig, self._on_signal)
+        bar = None
+        if self.is_main and t.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        first_step = self.step
+        try:
+            while self.step < t.steps:
+                metrics = self.train_step()
+                if self.step == first_step:
+                    self._check_weight_sync(metrics, after_push=self.step > 0)
+                elif self.step == first_step + 1:
+                    self._check_weight_sync(metrics, after_push=True)
+                self.step += 1
+                timers = Timers()
+                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
+                    with timers("eval"):
+                        metrics.update(self.evaluate())
+                stop = self._should_stop()
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
+                    with timers("checkpoint"):
+                        self.save_checkpoint()
+                metrics.update(timers.seconds)
+                history.append(metrics)
+                if self.logger is not None:
+                    self.logger.log(metrics, step=self.step)
+                if bar is not None:
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+                    bar.update(1)
+                if stop:
+                    log.warning(
+                        "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
+                    )
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return history
+
+    def close(self) -> None:
+        self.scorer.close()
+        with contextlib.suppress(Exception):
+            self.engine.close()
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+
+
+def _peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    # ru_maxrss is KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run(cfg: RLConfig) -> list[dict[str, float]]:
+    """Build a Trainer for this rank, train, clean up. Returns the per-step metrics."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
