@@ -172,8 +172,8 @@ def rollout_is(
         return safe_div((x & nonempty).sum().to(dtype), n_rows)
 
     def extreme(x, largest):
-        fill = torch.full((), float("-inf") if largest else float("inf"), dtype=dtype, device=x.device)
-        v = torch.where(m, x, fill)
+        fill = torch.full((1,), float("-inf") if largest else float("inf"), dtype=dtype, device=x.device)
+        v = torch.cat([torch.where(m, x, fill).flatten(), fill])  # fill keeps a zero-row batch defined
         v = v.amax() if largest else v.amin()
         return torch.where(n_tok > 0, v, torch.zeros_like(v))
 

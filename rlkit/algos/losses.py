@@ -53,8 +53,9 @@ def _masked_mean(x: Tensor, m: Tensor, n: Tensor) -> Tensor:
 
 
 def _masked_extreme(x: Tensor, m: Tensor, n: Tensor, largest: bool) -> Tensor:
-    fill = float("-inf") if largest else float("inf")
-    v = torch.where(m, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+    fill = torch.full((1,), float("-inf") if largest else float("inf"), dtype=x.dtype, device=x.device)
+    # The extra fill element keeps amax/amin defined for a batch with zero rows.
+    v = torch.cat([torch.where(m, x, fill).flatten(), fill])
     v = v.amax() if largest else v.amin()
     return torch.where(n > 0, v, torch.zeros_like(v))
 
