@@ -1,0 +1,163 @@
+"""Micro-benchmark of the learner: tokens/s of `Learner.update` and peak memory on a random batch.
+
+    python scripts/bench_learner.py --config tiny --samples 16 --updates 3                 # CPU, seconds
+    python scripts/bench_learner.py --config Qwen/Qwen2.5-0.5B --samples 64 --prompt-len 256 \\
+        --response-len 1024 --updates 5 --dtype bfloat16 --gradient-checkpointing           # CUDA, bf16
+
+`--config` is a preset name (`tiny`, `qwen2.5-0.5b` / `Qwen/Qwen2.5-0.5B`: the real model's
+dimensions) or a directory / config.json of any transformers causal LM; weights are random (no
+download). The first update is a warm-up and is not timed. Multi-GPU: `accelerate launch` it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "tiny": dict(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    # Qwen2.5-0.5B's published config.json dimensions.
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+}
+PRESETS["qwen/qwen2.5-0.5b"] = PRESETS["qwen2.5-0.5b"]
+
+
+def build_config(name: str):
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    preset = PRESETS.get(name.lower())
+    if preset is not None:
+        kwargs = dict(preset)
+        return CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
+    path = Path(name)
+    if path.is_file():
+        kwargs = json.loads(path.read_text())
+        return CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    raise ValueError(
+        f"--config={name!r}: not a preset ({sorted(PRESETS)}), a config.json or a model directory"
+    )
+
+
+def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int):
+    """Ragged lengths (half to full) so packing and trimming do real work."""
+    from rlkit.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(prompt_len // 2, prompt_len + 1, (n,), generator=g)
+    rlens = torch.randint(max(1, response_len // 2), response_len + 1, (n,), generator=g)
+    prompt_mask = torch.arange(prompt_len)[None] >= (prompt_len - plens)[:, None]
+    response_mask = torch.arange(response_len)[None] < rlens[:, None]
+    return TrainBatch(
+        prompt_ids=torch.randint(0, vocab, (n, prompt_len), generator=g) * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(0, vocab, (n, response_len), generator=g),
+        response_mask=response_mask,
+        advantages=torch.randn(n, 1, generator=g).expand(n, response_len).contiguous(),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--samples", type=int, default=16, help="rows per update (per process)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--updates", type=int, default=3, help="timed updates (after one warm-up)")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="max_tokens_per_microbatch")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the reference model and KL loss")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.learner import Learner, LearnerConfig
+
+    config = build_config(args.config)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(args.seed)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        cfg = LearnerConfig(
+            model_path=tmp,
+            dtype=args.dtype,
+            gradient_checkpointing=args.gradient_checkpointing,
+            lr=1e-6,
+            max_tokens_per_microbatch=args.max_tokens,
+            kl_coef=args.kl_coef,
+            seed=args.seed,
+        )
+        learner = Learner(cfg)
+    acc = learner.accelerator
+    n_params = sum(p.numel() for p in acc.unwrap_model(learner.model).parameters())
+    batch = random_batch(args.samples, args.prompt_len, args.response_len, config.vocab_size, args.seed)
+    if args.kl_coef > 0:
+        batch = type(batch)(
+            **{**batch.tensor_fields(), "ref_logprobs": torch.full(batch.response_ids.shape, -5.0)}
+        )
+    tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum()) * acc.num_processes
+
+    learner.update(batch)  # warm-up: allocator, kernels, FSDP lazy init
+    cuda = learner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    reported = []
+    for _ in range(args.updates):
+        metrics = learner.update(batch)
+        reported.append(float(metrics["learner/tokens_per_s"]))
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if cuda:
+        peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB CUDA max_memory_allocated (rank 0)"
+    else:
+        peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB CPU peak RSS (rank 0)"
+    if acc.is_main_process:
+        print(
+            f"model {args.config} ({n_params / 1e6:.1f}M params), {acc.num_processes} process(es) on "
+            f"{learner.device.type}, dtype {args.dtype}, micro-batches per update {learner.num_microbatches[-1]}"
+        )
+        print(
+            f"batch: {args.samples} x (prompt <= {args.prompt_len} + response <= {args.response_len}), {tokens} real tokens"
+        )
+        print(
+            f"learner tokens/s: {tokens * args.updates / seconds:,.0f} (wall), {sum(reported) / len(reported):,.0f} (reported)"
+        )
+        print(f"seconds per update: {seconds / args.updates:.3f}")
+        print(f"peak memory: {peak}")
+
+
+if __name__ == "__main__":
+    main()
