@@ -1,0 +1,329 @@
+"""The Hugging Face rollout engine: batched sampling with a transformers model, on CPU or GPU.
+
+A plain sampling loop over the model's forward with a KV cache, rather than `model.generate`,
+because the engine must know exactly which distribution every token was drawn from and where
+every sequence ended: with `generate`, a tokenizer whose pad token is its EOS token (SmolLM2)
+makes a finished sequence's padding indistinguishable from its EOS, and stop strings do not say
+which row they stopped. The loop is the same arithmetic as `generate`: the prompt is prefilled
+once per prompt (its KV cache is then repeated for the `n` samples), then one forward per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from rlkit.batch import RolloutBatch
+from rlkit.models import load_causal_lm, load_tokenizer
+from rlkit.rollout.base import Sampling
+
+log = logging.getLogger(__name__)
+
+
+def check_generate_args(prompts, n: int, context: int | None = None, vocab_size: int | None = None) -> None:
+    """Shared input checks of both engines; raise `ValueError` naming the bad argument."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be an integer >= 1 (samples per prompt)")
+    if not prompts:
+        raise ValueError("prompts is empty: generate needs at least one tokenised prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        if context is not None and len(p) >= context:
+            raise ValueError(
+                f"prompts[{i}] has {len(p)} tokens, but the model's context is {context} "
+                f"(max_position_embeddings): no room to generate; shorten the prompt "
+                f"(data.max_prompt_tokens) or use a model with a longer context"
+            )
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
+
+
+class HFEngine:
+    """Rollout engine on a transformers causal LM.
+
+    `model_or_path` is a model path (see `rlkit.models.resolve_model`) or an already loaded model;
+    a loaded model is deep-copied, so the engine always holds its own weights, which change only
+    through `load_weights` (the learner's model may be wrapped, sharded or mid-update).
+
+    Log-probs: `rollout_logprobs[i, t]` is the log-probability of the sampled token under the
+    distribution it was actually drawn from: logits / temperature, then top-k, then top-p
+    (transformers' warpers, in generate's order), renormalised over the tokens that survive the
+    truncation. With `top_k=0, top_p=1` it is exactly `log_softmax(logits / temperature)`, which is
+    what the learner recomputes. Greedy (`temperature=0`) picks the argmax and reports
+    `log_softmax(logits)` (temperature 1), as vLLM does, so the value stays informative.
+
+    `sleep`/`wake` move the model to the CPU and back when it lives on a GPU (freeing the GPU
+    for the learner); on CPU they do nothing.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_or_path,
+        tokenizer=None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        max_batch_size: int = 256,
+    ):
+        """`max_batch_size`: the most sequences (prompts x n) sampled in one forward batch."""
+        if isinstance(model_or_path, torch.nn.Module):
+            model = copy.deepcopy(model_or_path).to(device=device, dtype=dtype)
+            if tokenizer is None:
+                raise ValueError("HFEngine(model, tokenizer=None): pass the tokenizer with a loaded model")
+        else:
+            model = load_causal_lm(model_or_path, dtype=dtype, device=device)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_or_path)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        if tokenizer.pad_token_id is None:
+            log.warning("tokenizer has no pad token: padding with EOS id %s", tokenizer.eos_token_id)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = sorted(_eos_ids(model, tokenizer))
+        if not self.eos_ids:
+            raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
+        self.context = getattr(model.config, "max_position_embeddings", None)
+        self._sleeping = False
+
+    # ---------------------------------------------------------------- generation
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> RolloutBatch:
+        """Sample `n` completions for each prompt; the `n` rows of prompt i are rows `i*n ... i*n+n-1`.
+
+        prompts: B lists of token ids (no padding). Returns a RolloutBatch with N = B * n rows.
+        A row stops at an EOS token or at the end of an extra stop string (both kept in the
+        response, finish reason "stop"), or after `max_new_tokens` tokens or at the model's
+        context end (finish reason "length"). Reproducible: the same seed gives the same samples.
+        """
+        check_generate_args(prompts, n, self.context, self.model.config.vocab_size)
+        if self._sleeping:
+            raise RuntimeError("HFEngine.generate called while asleep: call wake() first")
+        generator = self.generator
+        if sampling.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(sampling.seed)
+
+        t0 = time.perf_counter()
+        prompts_per_chunk = max(1, self.max_batch_size // n)
+        rows: list[tuple[list[int], list[float], str]] = []
+        for start in range(0, len(prompts), prompts_per_chunk):
+            rows += self._sample(prompts[start : start + prompts_per_chunk], n, sampling, generator)
+        seconds = time.perf_counter() - t0
+
+        group_prompts = [p for p in prompts for _ in range(n)]
+        batch = _to_batch(group_prompts, rows, n, self.pad_id, self.tokenizer)
+        gen_tokens = int(batch.response_mask.sum())
+        batch.stats.update(
+            gen_tokens=float(gen_tokens),
+            gen_seconds=seconds,
+            gen_tokens_per_s=gen_tokens / max(seconds, 1e-9),
+        )
+        return batch
+
+    def _sample(self, prompts, n, sampling, generator) -> list[tuple[list[int], list[float], str]]:
+        """One forward batch: prefill B prompts, repeat the cache n times, decode token by token."""
+        dev = self.device
+        plens = torch.tensor([len(p) for p in prompts], device=dev)
+        width = int(plens.max())
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, device=dev)
+            mask[i, width - len(p) :] = 1
+        # Left padding: real tokens get positions 0..len-1, exactly as in the learner's forward.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1].repeat_interleave(n, 0)
+        mask = mask.repeat_interleave(n, 0)
+        plens = plens.repeat_interleave(n, 0)
+
+        num = logits.shape[0]
+        # A row also ends at the model's context (finish reason "length"), as vLLM does.
+        limit = torch.full_like(plens, sampling.max_new_tokens)
+        if self.context is not None:
+            limit = torch.clamp(self.context - plens, max=sampling.max_new_tokens)
+        steps = int(limit.max())
+        warpers = _warpers(sampling)
+        eos = torch.tensor(self.eos_ids, device=dev)
+        tokens = torch.full((num, steps), self.pad_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((num, steps), dtype=torch.float32, device=dev)
+        done = torch.zeros(num, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(num, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(num, dtype=torch.long, device=dev)
+        for t in range(steps):
+            token, logp = _draw(logits.float(), sampling.temperature, warpers, generator)
+            live = ~done
+            tokens[:, t] = torch.where(live, token, self.pad_id)
+            logps[:, t] = torch.where(live, logp, 0.0)
+            lengths += live.long()
+            hit_stop = live & torch.isin(token, eos)
+            if sampling.stop:
+                hit_stop |= live & self._stop_string_hit(tokens, lengths, live, sampling.stop)
+            stopped |= hit_stop
+            done |= hit_stop | (lengths >= limit)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=(plens + t)[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1]
+
+        tokens, logps, lengths, stopped = tokens.cpu(), logps.cpu(), lengths.tolist(), stopped.tolist()
+        return [
+            (
+                tokens[i, : lengths[i]].tolist(),
+                logps[i, : lengths[i]].tolist(),
+                "stop" if stopped[i] else "length",
+            )
+            for i in range(num)
+        ]
+
+    def _stop_string_hit(
+        self, tokens: Tensor, lengths: Tensor, live: Tensor, stop: tuple[str, ...]
+    ) -> Tensor:
+        """[N] bool: the newest token completes one of the stop strings.
+
+        Only the last few tokens are decoded: a stop string of L characters spans at most L
+        tokens, and since this runs after every token, a stop string inside that window can only
+        have been completed by the newest token.
+        """
+        window = max(len(s) for s in stop) + 1
+        hit = torch.zeros_like(live)
+        for i in torch.nonzero(live).flatten().tolist():
+            end = int(lengths[i])
+            text = self.tokenizer.decode(tokens[i, max(0, end - window) : end].tolist())
+            hit[i] = any(s in text for s in stop)
+        return hit
+
+    # ---------------------------------------------------------------- weights and memory
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Copy `(hf_name, full_tensor)` pairs into the engine's model in place; returns how many.
+
+        Names are the transformers parameter names (tied weights may be given under either name).
+        Raises `KeyError` on an unknown name, `ValueError` on a shape mismatch, and `RuntimeError`
+        when the iterable was empty: a push that updated nothing is a bug, never a no-op.
+        """
+        params = self.model.state_dict(keep_vars=True)
+        updated = 0
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"load_weights: unknown parameter {name!r} (not in the engine's model)")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            updated += 1
+        if updated == 0:
+            raise RuntimeError("load_weights received no tensors: the weight push updated nothing")
+        return updated
+
+    def sleep(self) -> None:
+        """Move the model off the GPU while the learner trains (nothing to free on CPU)."""
+        if self.device.type != "cpu" and not self._sleeping:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._sleeping = self.device.type != "cpu"
+
+    def wake(self) -> None:
+        if self._sleeping:
+            self.model.to(self.device)
+        self._sleeping = False
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(value)
+    return ids
+
+
+def _warpers(sampling: Sampling) -> LogitsProcessorList:
+    """temperature -> top-k -> top-p, generate's order; empty for greedy."""
+    warpers = LogitsProcessorList()
+    if sampling.temperature == 0:
+        return warpers
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return warpers
+
+
+def _draw(logits: Tensor, temperature: float, warpers, generator) -> tuple[Tensor, Tensor]:
+    """logits [N, V] float32 -> (token [N], log-prob of token under the sampling distribution [N])."""
+    if temperature == 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    # Warpers ignore input_ids for temperature/top-k/top-p.
+    logp = torch.log_softmax(warpers(None, logits), -1)
+    token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _to_batch(prompts, rows, n, pad_id, tokenizer) -> RolloutBatch:
+    """Pad per-row lists into a RolloutBatch (prompts left-padded, responses right-padded)."""
+    num = len(rows)
+    width = max(len(p) for p in prompts)
+    steps = max(len(r[0]) for r in rows)
+    prompt_ids = torch.full((num, width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((num, width), dtype=torch.bool)
+    response_ids = torch.full((num, steps), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((num, steps), dtype=torch.bool)
+    logprobs = torch.zeros((num, steps), dtype=torch.float32)
+    for i, (p, (toks, lps, _)) in enumerate(zip(prompts, rows)):
+        prompt_ids[i, width - len(p) :] = torch.tensor(p)
+        prompt_mask[i, width - len(p) :] = True
+        response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        response_mask[i, : len(toks)] = True
+        logprobs[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=logprobs,
+        finish_reasons=tuple(r[2] for r in rows),
+        group_index=torch.arange(num) // n,
+        group_size=n,
+        response_texts=tuple(tokenizer.batch_decode([r[0] for r in rows], skip_special_tokens=True)),
+        stats={},
+    )
