@@ -17,6 +17,17 @@ its own sum by that global count (never by its own token count), and the data-pa
 gradient averaging over ranks is undone by multiplying by the world size. The accumulated gradient
 then equals the gradient of the full-batch loss (tests/learner/test_gradients.py checks it).
 
+The loss of one mini-batch (every term aggregated with `loss_agg_mode` over the global mini-batch)::
+
+    loss =            agg(policy_loss(logp, old_logp, A) * is_weights)   policy_loss, clip_low, clip_high, dual_clip
+         + kl_coef  * agg(kl_estimate(logp, ref_logp, kl_estimator))      kl_coef, kl_estimator (needs ref_logprobs)
+         + rollout_kl_coef * agg(rollout_kl(logp, rollout_logp))          rollout_kl_coef, rollout_kl_estimator
+         + vf_coef  * agg(clipped_value_loss(v, old_v, returns))          value_model, vf_coef, value_clip
+         - entropy_coef * agg(entropy)                                    entropy_coef
+
+`old_logp` is the batch's `old_logprobs`, recomputed before the first step when the update is
+off-policy (`ppo_epochs * mini_batches > 1`) and absent, else `logp.detach()` (ratio 1, on-policy).
+
 Models: the policy is any causal LM transformers loads (through `rlkit.models`); the frozen
 reference (only when `kl_coef > 0`) is a second copy of the initial policy, kept unsharded in the
 compute dtype; the PPO critic (`value_model=True`) is `AutoModelForTokenClassification` with
@@ -390,6 +401,13 @@ def clipped_value_loss(
     return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def _plain(x: Tensor) -> Tensor:
+    """A DTensor (e.g. the grad norm of FSDP2-sharded grads) as its full value; other tensors unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
 def _lr_lambda(cfg: LearnerConfig):
     def fn(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -737,7 +755,7 @@ class Learner:
             self.value_scheduler.step()
             self.value_optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        return {k: v.detach().float().to(self.device) for k, v in out.items()}
+        return {k: _plain(v).detach().float().to(self.device) for k, v in out.items()}
 
     # -- weights and checkpoints ---------------------------------------------------------------
 
