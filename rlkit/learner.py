@@ -108,6 +108,8 @@ class LearnerConfig:
     """Length constant of "seq-mean-token-sum-norm" (Dr. GRPO); None = the mini-batch's padded response length."""
     kl_coef: float = 0.0
     """Weight of the KL loss to the frozen reference; > 0 loads the reference model."""
+    load_reference: bool = False
+    """Load the frozen reference even when `kl_coef == 0` (e.g. KL in the reward: `forward(ref=True)`)."""
     kl_estimator: str = "k3"
     """KL estimator of the KL loss: "k1", "abs", "k2" or "k3"."""
     rollout_kl_coef: float = 0.0
@@ -442,7 +444,7 @@ class Learner:
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 or cfg.load_reference:
             self.ref_model = _load_causal_lm(cfg.model_path, self.compute_dtype, self.device).eval()
             self.ref_model.requires_grad_(False)
 

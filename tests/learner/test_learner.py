@@ -124,8 +124,9 @@ def test_forward_ref_without_reference_model_raises(tiny_model_dir):
         learner.forward(make_batch(), ref=True)
 
 
-def test_reference_model_scores_the_initial_policy(tiny_model_dir):
-    learner = Learner(config(tiny_model_dir, kl_coef=0.1, lr=1e-2))
+@pytest.mark.parametrize("why", [{"kl_coef": 0.1}, {"load_reference": True}])
+def test_reference_model_scores_the_initial_policy(tiny_model_dir, why):
+    learner = Learner(config(tiny_model_dir, lr=1e-2, **why))
     batch = make_batch(seed=4)
     before = learner.forward(batch, ref=True)
     torch.testing.assert_close(before.logprobs, before.ref_logprobs, atol=1e-6, rtol=0)
