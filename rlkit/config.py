@@ -94,10 +94,11 @@ class RolloutConfig:
     """Extra stop strings besides EOS."""
     return_logprobs: bool = True
     """Keep the engine's per-token log-probs (needed by rollout IS / rollout-KL / mismatch metrics)."""
+    seed_per_prompt: bool = False
+    """One generate call per prompt, seeded by (seed, step, prompt position in the global batch): the
+    samples no longer depend on how prompts are batched or split over ranks (slower; for reproducibility)."""
     weight_sync_kl_threshold: float = 0.05
     """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error."""
-    gpu_memory_utilization: float = 0.45
-    """vLLM only: fraction of GPU memory for weights + KV cache (the learner shares the GPU)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the engine constructor."""
     eval_group_size: int = 1

@@ -164,10 +164,19 @@ class RewardScorer:
     def close(self) -> None:
         self._kill_pool()
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str]) -> Scores:
-        """Score N samples. Calls finish in submission order; a call gets `timeout_s` from the moment
-        every earlier call is done (so it is already running), which keeps the limit per call."""
-        tasks = [(name, i) for name in self.weights for i in range(len(responses))]
+    def score(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        answers: Sequence[str],
+        *,
+        only: Sequence[str] | None = None,
+    ) -> Scores:
+        """Score N samples (with the functions in `only`, default all). Calls finish in submission order;
+        a call gets `timeout_s` from the moment every earlier call is done (so it is already running),
+        which keeps the limit per call."""
+        weights = {k: w for k, w in self.weights.items() if only is None or k in only}
+        tasks = [(name, i) for name in weights for i in range(len(responses))]
         results: dict[tuple[str, int], float] = {}
         errors = timeouts = 0
         pending = list(tasks)
@@ -205,6 +214,6 @@ class RewardScorer:
                     errors += 1
                     log.debug("reward %r failed on sample %d: %s", task[0], task[1], err)
                 results[task] = value
-        per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in self.weights}
-        total = [sum(w * per_fn[name][i] for name, w in self.weights.items()) for i in range(len(responses))]
+        per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
+        total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]
         return Scores(total=total, per_fn=per_fn, errors=errors, timeouts=timeouts)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlkit.batch import RolloutBatch
 from rlkit.config import RLConfig, to_dict
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,39 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         if (m := CHECKPOINT_RE.match(p.name)) and (p / TRAINER_STATE).exists()
     ]
     return max(done)[1] if done else None
+
+
+def concat_rollouts(parts: list) -> RolloutBatch:
+    """Stack RolloutBatches of the same group size: prompts re-padded on the left, responses on the right."""
+    from rlkit.batch import RolloutBatch
+
+    P = max(b.prompt_ids.shape[1] for b in parts)
+    T = max(b.response_ids.shape[1] for b in parts)
+    pad_id = (
+        int(parts[0].prompt_ids[~parts[0].prompt_mask].flatten()[:1].sum())
+        if (~parts[0].prompt_mask).any()
+        else 0
+    )
+
+    def left(x, width, value):
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x, width, value):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    offsets = torch.tensor([0] + [b.num_samples // b.group_size for b in parts]).cumsum(0)
+    return RolloutBatch(
+        prompt_ids=torch.cat([left(b.prompt_ids, P, pad_id) for b in parts]),
+        prompt_mask=torch.cat([left(b.prompt_mask, P, False) for b in parts]),
+        response_ids=torch.cat([right(b.response_ids, T, pad_id) for b in parts]),
+        response_mask=torch.cat([right(b.response_mask, T, False) for b in parts]),
+        rollout_logprobs=torch.cat([right(b.rollout_logprobs, T, 0.0) for b in parts]),
+        finish_reasons=tuple(f for b in parts for f in b.finish_reasons),
+        group_index=torch.cat([b.group_index + off for b, off in zip(parts, offsets.tolist())]),
+        group_size=parts[0].group_size,
+        response_texts=tuple(t for b in parts for t in b.response_texts),
+        stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in ("gen_tokens", "gen_seconds")},
+    )
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -228,9 +262,21 @@ class Trainer:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling, seed: int):
-        """engine.generate, seeded so the samples are a pure function of (seed, step, rank)."""
-        return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+    def _generate(self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0):
+        """engine.generate, seeded so the samples are a pure function of (seed, step, rank).
+
+        With rollout.seed_per_prompt each prompt gets its own call seeded by its position in the global
+        batch (`first_prompt` + j), so the samples do not depend on the number of ranks.
+        """
+        if not self.cfg.rollout.seed_per_prompt:
+            return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+        parts = [
+            self.engine.generate(
+                [p], n, dataclasses.replace(sampling, seed=sampling_seed(seed, 0, first_prompt + j))
+            )
+            for j, p in enumerate(prompts)
+        ]
+        return concat_rollouts(parts)
 
     def _sampling(self, *, eval: bool = False):
         from rlkit.rollout.base import Sampling
@@ -425,7 +471,8 @@ class Trainer:
             texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
             answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
             correct = torch.tensor(
-                self.scorer.score(texts, list(rb.response_texts), answers).per_fn["math"], device=self.device
+                self.scorer.score(texts, list(rb.response_texts), answers, only=["math"]).per_fn["math"],
+                device=self.device,
             )
             per_prompt = correct.reshape(len(mine), k)
             sums = torch.stack(

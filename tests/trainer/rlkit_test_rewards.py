@@ -4,13 +4,13 @@ import time
 
 
 def raising(prompt, response, answer):
-    if "3" in answer:
+    if "3" in answer or len(response) % 3 == 0:
         raise RuntimeError("boom")
     return 1.0
 
 
 def hanging(prompt, response, answer):
-    if "3" in answer:
+    if "3" in answer or len(response) % 3 == 1:
         time.sleep(600)
     return 0.5
 

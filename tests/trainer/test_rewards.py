@@ -57,7 +57,7 @@ def test_weighted_sum():
 def test_raising_reward_scores_zero_and_is_counted():
     scorer = RewardScorer("rlkit_test_rewards:raising", num_workers=2)
     try:
-        s = scorer.score(["q"] * 4, ["a"] * 4, ["#### 1", "#### 3", "#### 2", "#### 3"])
+        s = scorer.score(["q"] * 4, ["ab"] * 4, ["#### 1", "#### 3", "#### 2", "#### 3"])
     finally:
         scorer.close()
     assert s.total == [1.0, 0.0, 1.0, 0.0]
@@ -68,10 +68,10 @@ def test_hanging_reward_times_out_scores_zero_and_is_counted():
     scorer = RewardScorer("rlkit_test_rewards:hanging", timeout_s=1.0, num_workers=2)
     try:
         t0 = time.monotonic()
-        s = scorer.score(["q"] * 4, ["a"] * 4, ["#### 3", "#### 1", "#### 2", "#### 3"])
+        s = scorer.score(["q"] * 4, ["ab"] * 4, ["#### 3", "#### 1", "#### 2", "#### 3"])
         elapsed = time.monotonic() - t0
         # the scorer still works after killing its hung workers
-        s2 = scorer.score(["q"], ["a"], ["#### 1"])
+        s2 = scorer.score(["q"], ["ab"], ["#### 1"])
     finally:
         scorer.close()
     assert s.total == [0.0, 0.5, 0.5, 0.0]

@@ -1,0 +1,222 @@
+"""End to end on CPU with a tiny random model sharing SmolLM2's tokenizer: `+recipe=quickstart` for 2 steps,
+an offline W&B run read back from its files, an HF checkpoint, exact resume, an interrupted checkpoint,
+failing reward functions, 2 processes == 1 process, and the launch line from two folders."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlkit.config import REPO_ROOT, load_config
+from rlkit.train import compose
+from rlkit.trainer import latest_checkpoint, run
+
+HERE = Path(__file__).resolve().parent
+
+# The metric keys the issue asks for on every step (plus a few of ours).
+REQUIRED = [
+    "reward/mean", "reward/std", "reward/max", "accuracy", "frac_reward_zero_std",
+    "response_length/mean", "response_length/max", "response_length/clip_ratio",
+    "mismatch/kl", "mismatch/k3_kl", "rollout_kl", "grad_norm", "lr", "rollout/entropy",
+    "timing/generate_s", "timing/reward_s", "timing/logprobs_s", "timing/advantages_s", "timing/update_s",
+    "timing/weight_push_s", "perf/tokens_per_s", "perf/peak_memory_gb", "reward/errors",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    from rlkit.models import make_tiny_checkpoint
+
+    torch.manual_seed(0)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=2, seed=0)
+
+
+def overrides(tiny, run_dir, *extra):
+    return [
+        "+recipe=quickstart",
+        f"model.path={tiny}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.steps=2",
+        "trainer.train_batch_size=8",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "data.eval_size=4",
+        "data.num_train=64",
+        "data.num_eval=8",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.lr=1e-3",
+        "trainer.progress_bar=false",
+        # A response-dependent reward, so the random model gets non-zero advantages.
+        "reward.fn=rlkit_test_rewards:length",
+        "reward.num_workers=1",
+        "algo.mask_zero_std_groups=false",
+        "logger=none",
+        *extra,
+    ]
+
+
+def train(tiny, run_dir, *extra, reward_extra=None):
+    cfg = load_config(compose(overrides(tiny, run_dir, *extra)))
+    if reward_extra is not None:  # import paths do not fit Hydra's dict-key grammar
+        cfg.reward.extra = reward_extra
+    return run(cfg)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    from wandb_files import config, history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    run_dir = tmp_path / "run"
+    hist = train(tiny, run_dir, "logger=wandb", "algo.kl_coef=0.1")
+    assert len(hist) == 2
+    for key in [*REQUIRED, "rollout/kl", "eval/pass@1"]:
+        assert key in hist[-1], key
+    assert any(k.startswith("loss/") for k in hist[-1])
+    # metrics.jsonl: one line per step
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    assert [line["step"] for line in lines] == [1, 2]
+    # the W&B run, read back from its transaction log
+    (wandb_file,) = (tmp_path / "wb").glob("wandb/offline-run-*/run-*.wandb")
+    rows = history(wandb_file)
+    assert [r["_step"] for r in rows] == [1, 2]
+    for key in REQUIRED:
+        assert key in rows[0] and key in rows[1], key
+    assert rows[1]["reward/mean"] == pytest.approx(hist[1]["reward/mean"])
+    logged_config = config(wandb_file)
+    assert "git_commit" in logged_config and logged_config["model"]["path"] == tiny
+    # the checkpoint loads with plain transformers
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt.name == "step_2"
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    assert sum(p.numel() for p in model.parameters()) > 0
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["data_position"] == 4 and state["wandb_id"]
+
+
+def _weights(ckpt):
+    from safetensors.torch import load_file
+
+    files = sorted((ckpt / "model").glob("*.safetensors"))
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def test_exact_resume_four_steps_equal_two_plus_two(tiny, tmp_path):
+    straight = train(tiny, tmp_path / "a", "trainer.steps=4")
+    first = train(tiny, tmp_path / "b", "trainer.steps=2")
+    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto")
+    assert len(first) == 2 and len(second) == 2
+    keys = [
+        "reward/mean",
+        "loss/total",
+        "grad_norm",
+        "rollout/entropy",
+        "mismatch/kl",
+        "response_length/mean",
+    ]
+    for want, got in zip(straight, first + second):
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    wa, wb = _weights(tmp_path / "a/checkpoints/step_4"), _weights(tmp_path / "b/checkpoints/step_4")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+
+
+def test_interrupted_checkpoint_leaves_previous_intact_and_resumable(tiny, tmp_path, monkeypatch):
+    from rlkit.learner import Learner
+
+    real_save = Learner.save_checkpoint
+
+    def crashing_save(self, directory):
+        real_save(self, directory)  # half of the checkpoint is on disk ...
+        if "step_2" in str(directory):
+            raise RuntimeError("disk full (simulated)")  # ... and the process dies before it completes
+
+    monkeypatch.setattr(Learner, "save_checkpoint", crashing_save)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny, tmp_path / "r", "trainer.save_every=1")
+    ckpts = tmp_path / "r/checkpoints"
+    assert (ckpts / "step_1/trainer_state.json").exists()
+    assert not (ckpts / "step_2").exists()
+    assert latest_checkpoint(tmp_path / "r").name == "step_1"
+
+    monkeypatch.setattr(Learner, "save_checkpoint", real_save)
+    resumed = train(tiny, tmp_path / "r", "trainer.save_every=1")
+    assert len(resumed) == 1  # only step 2 was left to do
+    assert latest_checkpoint(tmp_path / "r").name == "step_2"
+    assert not (ckpts / ".tmp-step_2").exists()
+
+
+def test_failing_reward_functions_are_counted_and_the_run_continues(tiny, tmp_path):
+    # The main reward raises on some prompts, an extra one hangs on some (1 s timeout).
+    hist = train(
+        tiny, tmp_path / "x", "trainer.steps=1", "reward.fn=rlkit_test_rewards:raising",
+        "reward.timeout_s=1", reward_extra={"rlkit_test_rewards:hanging": 1.0},
+    )  # fmt: skip
+    assert len(hist) == 1
+    m = hist[0]
+    assert m["reward/errors"] > 0 and m["reward/timeouts"] > 0
+    assert m["reward/errors"] >= m["reward/timeouts"]
+
+
+def _launch(cwd, *args, timeout=600):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlkit.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, tmp_path):
+    """`python -m rlkit.train +recipe=quickstart ...` from the repo root (1 process) and from another folder
+    (2 gloo processes) give the same metrics on the same global batch."""
+    common = [*overrides(tiny, "X", "rollout.seed_per_prompt=true")]
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    _launch(
+        REPO_ROOT, *[o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={one}" for o in common]
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _launch(
+        elsewhere,
+        *[o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={two}" for o in common],
+        "trainer.num_processes=2",
+    )
+    m1, m2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert len(m1) == len(m2) == 2
+    keys = [
+        "reward/mean",
+        "reward/std",
+        "accuracy",
+        "response_length/mean",
+        "loss/total",
+        "grad_norm",
+        "mismatch/kl",
+        "rollout/entropy",
+    ]
+    for a, b in zip(m1, m2):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    assert latest_checkpoint(two).name == "step_2"
