@@ -22,27 +22,9 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.rollout.base import Sampling
+from rlkit.rollout.common import check_generate_args, rows_to_batch
 
 log = logging.getLogger(__name__)
-
-
-def check_generate_args(prompts, n: int, context: int | None = None, vocab_size: int | None = None) -> None:
-    """Shared input checks of both engines; raise `ValueError` naming the bad argument."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be an integer >= 1 (samples per prompt)")
-    if not prompts:
-        raise ValueError("prompts is empty: generate needs at least one tokenised prompt")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
-        if context is not None and len(p) >= context:
-            raise ValueError(
-                f"prompts[{i}] has {len(p)} tokens, but the model's context is {context} "
-                f"(max_position_embeddings): no room to generate; shorten the prompt "
-                f"(data.max_prompt_tokens) or use a model with a longer context"
-            )
-        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
 
 
 class HFEngine:
@@ -125,7 +107,8 @@ class HFEngine:
         seconds = time.perf_counter() - t0
 
         group_prompts = [p for p in prompts for _ in range(n)]
-        batch = _to_batch(group_prompts, rows, n, self.pad_id, self.tokenizer)
+        texts = self.tokenizer.batch_decode([r[0] for r in rows], skip_special_tokens=True)
+        batch = rows_to_batch(group_prompts, rows, texts, n, self.pad_id)
         gen_tokens = int(batch.response_mask.sum())
         batch.stats.update(
             gen_tokens=float(gen_tokens),
@@ -297,33 +280,3 @@ def _draw(logits: Tensor, temperature: float, warpers, generator) -> tuple[Tenso
     logp = torch.log_softmax(warpers(None, logits), -1)
     token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
-def _to_batch(prompts, rows, n, pad_id, tokenizer) -> RolloutBatch:
-    """Pad per-row lists into a RolloutBatch (prompts left-padded, responses right-padded)."""
-    num = len(rows)
-    width = max(len(p) for p in prompts)
-    steps = max(len(r[0]) for r in rows)
-    prompt_ids = torch.full((num, width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((num, width), dtype=torch.bool)
-    response_ids = torch.full((num, steps), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((num, steps), dtype=torch.bool)
-    logprobs = torch.zeros((num, steps), dtype=torch.float32)
-    for i, (p, (toks, lps, _)) in enumerate(zip(prompts, rows)):
-        prompt_ids[i, width - len(p) :] = torch.tensor(p)
-        prompt_mask[i, width - len(p) :] = True
-        response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-        response_mask[i, : len(toks)] = True
-        logprobs[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutBatch(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        rollout_logprobs=logprobs,
-        finish_reasons=tuple(r[2] for r in rows),
-        group_index=torch.arange(num) // n,
-        group_size=n,
-        response_texts=tuple(tokenizer.batch_decode([r[0] for r in rows], skip_special_tokens=True)),
-        stats={},
-    )

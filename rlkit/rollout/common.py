@@ -1,0 +1,66 @@
+"""Input checks and batch assembly shared by the rollout engines (no engine imports here)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlkit.batch import RolloutBatch
+
+
+def check_generate_args(prompts, n: int, context: int | None = None, vocab_size: int | None = None) -> None:
+    """Shared input checks of both engines; raise `ValueError` naming the bad argument."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be an integer >= 1 (samples per prompt)")
+    if not prompts:
+        raise ValueError("prompts is empty: generate needs at least one tokenised prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        if context is not None and len(p) >= context:
+            raise ValueError(
+                f"prompts[{i}] has {len(p)} tokens, but the model's context is {context} "
+                f"tokens: no room to generate; shorten the prompt "
+                f"(data.max_prompt_tokens) or use a model with a longer context"
+            )
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
+
+
+def rows_to_batch(
+    prompts: list[list[int]],
+    rows: list[tuple[list[int], list[float], str]],
+    texts: list[str],
+    n: int,
+    pad_id: int,
+) -> RolloutBatch:
+    """Pad per-sample lists into a RolloutBatch (prompts left-padded, responses right-padded).
+
+    prompts: the N = B * n prompts, one per row (a prompt repeated for its n samples);
+    rows: per sample `(response token ids, their log-probs, finish reason)`; texts: decoded responses.
+    """
+    num = len(rows)
+    width = max(len(p) for p in prompts)
+    steps = max(1, max(len(r[0]) for r in rows))
+    prompt_ids = torch.full((num, width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((num, width), dtype=torch.bool)
+    response_ids = torch.full((num, steps), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((num, steps), dtype=torch.bool)
+    logprobs = torch.zeros((num, steps), dtype=torch.float32)
+    for i, (p, (toks, lps, _)) in enumerate(zip(prompts, rows)):
+        prompt_ids[i, width - len(p) :] = torch.tensor(p)
+        prompt_mask[i, width - len(p) :] = True
+        response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        response_mask[i, : len(toks)] = True
+        logprobs[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=logprobs,
+        finish_reasons=tuple(r[2] for r in rows),
+        group_index=torch.arange(num) // n,
+        group_size=n,
+        response_texts=tuple(texts),
+        stats={},
+    )
