@@ -88,8 +88,9 @@ def learner_config(cfg: RLConfig):
         dual_clip=a.dual_clip,
         loss_agg_mode=a.loss_agg_mode,
         norm_len=a.norm_len if a.norm_len is not None else cfg.rollout.max_new_tokens,
-        # With KL in the reward the KL is not a loss term; the reference is still needed (loaded below).
+        # With KL in the reward the KL is not a loss term, but the reference is still needed.
         kl_coef=0.0 if a.kl_in_reward else a.kl_coef,
+        load_reference=a.kl_in_reward and a.kl_coef > 0,
         kl_estimator=a.kl_estimator,
         rollout_kl_coef=a.rollout_kl_coef,
         rollout_kl_estimator=a.rollout_kl_estimator,
@@ -165,7 +166,7 @@ class Trainer:
     def __init__(self, cfg: RLConfig):
         from rlkit.data import PromptOrder, build_prompts, load_splits
         from rlkit.learner import Learner, make_accelerator
-        from rlkit.models import load_causal_lm, load_tokenizer
+        from rlkit.models import load_tokenizer
         from rlkit.rewards import RewardScorer
         from rlkit.rollout import make_engine
 
@@ -200,13 +201,8 @@ class Trainer:
         )
         self.learner = Learner(self.lcfg, self.accelerator)
         self.device = self.learner.device
-        if cfg.algo.kl_in_reward and self.learner.ref_model is None:
-            # KL-in-reward (PPO) needs reference log-probs but no KL loss term.
-            self.learner.ref_model = load_causal_lm(
-                cfg.model.path, dtype=self.learner.compute_dtype, device=self.device
-            )
-            self.learner.ref_model.eval().requires_grad_(False)
-        engine_device = self.device.type if t.device == "auto" else t.device
+        # None: the engine takes this rank's GPU (set by the accelerator) or the CPU.
+        engine_device = "cpu" if t.device == "cpu" else None
         self.engine = make_engine(
             r.engine,
             cfg.model.path,
@@ -312,7 +308,9 @@ class Trainer:
                 [self.train_prompts.token_ids[i] for i in mine],
                 G,
                 self._sampling(),
-                sampling_seed(cfg.trainer.seed, self.step, self.rank),
+                # Per-prompt seeds are derived from a rank-independent base (see _generate).
+                sampling_seed(cfg.trainer.seed, self.step, 0 if cfg.rollout.seed_per_prompt else self.rank),
+                first_prompt=self.rank * self.prompts_per_rank,
             )
             self.engine.sleep()
         mask = rb.response_mask.to(self.device).bool()

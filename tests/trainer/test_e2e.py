@@ -176,6 +176,9 @@ def test_failing_reward_functions_are_counted_and_the_run_continues(tiny, tmp_pa
 def _launch(cwd, *args, timeout=600):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    # Same thread count in every process: a random model's near-uniform sampling is sensitive to the
+    # summation order of its softmax, which depends on the number of threads.
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "rlkit.train", *args],
         cwd=cwd,
@@ -220,3 +223,20 @@ def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, 
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
     assert latest_checkpoint(two).name == "step_2"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["algo=ppo", "algo.kl_coef=0.1"],  # value model, GAE, KL in the reward
+        ["algo=dr_grpo", "algo.rollout_is.enabled=true", "algo.rollout_kl_coef=0.1", "algo.kl_coef=0.05"],
+    ],
+    ids=["ppo", "dr_grpo_is_rollout_kl"],
+)
+def test_other_algorithms_run_one_step(tiny, tmp_path, extra):
+    (m,) = train(tiny, tmp_path / "a", "trainer.steps=1", *extra)
+    assert "rollout/kl" in m and abs(m["rollout/kl"]) < 1e-5  # policy == reference at step 0
+    if "algo=ppo" in extra:
+        assert any(k.startswith("value/") or "value" in k for k in m if k.startswith(("loss/", "value/")))
+    else:
+        assert "rollout_is/mean" in m and m["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
