@@ -71,3 +71,14 @@ def test_prompt_order_deterministic_resumable_and_epochs():
     b = PromptOrder(10, seed=3, position=8)
     assert b.next(4) == full[2] and b.next(4) == full[3]
     assert PromptOrder(10, seed=4).next(10) != full[0] + full[1] + full[2][:2]
+
+
+def test_unreachable_hub_dataset_points_to_offline_options(monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    # Offline mode (read at import time, hence setattr): fails fast instead of retrying a dead network.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match=r"\+recipe=quickstart.*data.path="):
+        load_splits(DataConfig(path="no-such-org/no-such-dataset", subset=None))

@@ -240,3 +240,35 @@ def test_other_algorithms_run_one_step(tiny, tmp_path, extra):
         assert any(k.startswith("value/") or "value" in k for k in m if k.startswith(("loss/", "value/")))
     else:
         assert "rollout_is/mean" in m and m["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch):
+    import rlkit.weights
+    from rlkit.trainer import WeightSyncError
+
+    # The engine keeps its initial weights while the learner moves (large lr): the check at the step
+    # right after the first push must stop the run.
+    monkeypatch.setattr(rlkit.weights, "push_weights", lambda learner, engine: {"bytes": 0, "seconds": 0.0})
+    with pytest.raises(WeightSyncError, match="after the first weight push"):
+        train(tiny, tmp_path / "w", "trainer.lr=0.05", "rollout.weight_sync_kl_threshold=1e-3")
+
+
+def test_sigterm_writes_a_checkpoint_and_stops_cleanly(tiny, tmp_path, monkeypatch):
+    import signal
+
+    from rlkit.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def step_then_sigterm(self):
+        metrics = real_step(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-run, as from a scheduler
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    hist = train(tiny, tmp_path / "s", "trainer.steps=4")
+    assert len(hist) == 1
+    assert latest_checkpoint(tmp_path / "s").name == "step_1"
+    # and the run resumes from there
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert len(train(tiny, tmp_path / "s", "trainer.steps=2")) == 1
