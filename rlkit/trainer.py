@@ -190,6 +190,12 @@ class Trainer:
         )
         self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
         self.group_size = r.group_size
+        if cfg.algo.adv_estimator == "reinforce_pp" and self.world > 1:
+            # algos.reinforce_pp whitens over the batch it is given, here each rank's own rows.
+            log.warning(
+                "algo.adv_estimator='reinforce_pp' with %d ranks whitens per rank, not over the global batch",
+                self.world,
+            )
         self.prompts_per_rank = t.train_batch_size // (r.group_size * self.world)
 
         self.scorer = RewardScorer(
