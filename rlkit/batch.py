@@ -34,6 +34,32 @@ def _check_rows(obj, n: int, t: int | None = None) -> None:
 
 
 @dataclass(frozen=True)
+class Sequences:
+    """Just the token tensors a forward pass reads; `Sequences.of(batch)` views a RolloutBatch or a
+    TrainBatch this way, and `select` takes any subset of rows (no group-size constraint)."""
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+
+    @classmethod
+    def of(cls, batch) -> Sequences:
+        return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_ids.shape[0]
+
+    def select(self, index: Tensor | slice) -> Sequences:
+        return Sequences(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+
+    def padding_like(self, rows: int = 1) -> Sequences:
+        pad = self.select(torch.zeros(rows, dtype=torch.long, device=self.response_ids.device))
+        return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
     """What a rollout engine returns: N = B * G samples, the G samples of a prompt contiguous."""
 
@@ -62,7 +88,10 @@ class RolloutBatch:
     def __post_init__(self):
         n = self.response_ids.shape[0]
         _check_rows(self, n)
-        if self.response_mask.shape != self.response_ids.shape or self.rollout_logprobs.shape != self.response_ids.shape:
+        if (
+            self.response_mask.shape != self.response_ids.shape
+            or self.rollout_logprobs.shape != self.response_ids.shape
+        ):
             raise ValueError("response_ids, response_mask and rollout_logprobs must share shape [N, T]")
         if len(self.finish_reasons) != n:
             raise ValueError(f"finish_reasons has {len(self.finish_reasons)} entries, expected {n}")

@@ -97,6 +97,10 @@ class RolloutConfig:
     seed_per_prompt: bool = False
     """One generate call per prompt, seeded by (seed, step, prompt position in the global batch): the
     samples no longer depend on how prompts are batched or split over ranks (slower; for reproducibility)."""
+    mismatch_samples: int = 0
+    """Samples per rank the learner re-scores for the mismatch metrics when nothing else needs the
+    current policy's log-probs of the whole batch (no rollout IS, on-policy update, no reference KL, no
+    critic); 0 = all. A few samples suffice to prove the weight push and save a full forward pass."""
     weight_sync_kl_threshold: float = 0.05
     """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -214,6 +218,8 @@ class TrainerConfig:
     """Seed for data order, sampling and model init."""
     eval_every: int = 0
     """Evaluate every this many steps (0 = only at the end)."""
+    eval_at_start: bool = True
+    """Also evaluate before the first step (the baseline the run is judged against)."""
     save_every: int = 0
     """Checkpoint every this many steps (0 = only at the end)."""
     keep_last: int = 2
@@ -322,6 +328,7 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _positive("rollout.max_new_tokens", r.max_new_tokens)
     _positive("rollout.temperature", r.temperature, allow_zero=True)
     _positive("rollout.eval_group_size", r.eval_group_size)
+    _positive("rollout.mismatch_samples", r.mismatch_samples, allow_zero=True)
     _positive("rollout.eval_temperature", r.eval_temperature, allow_zero=True)
     if r.temperature == 0:
         raise ConfigError(

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlkit.batch import TrainBatch
+from rlkit.batch import Sequences, TrainBatch
 from rlkit.metrics import MetricMerger
 
 log = logging.getLogger(__name__)
@@ -282,35 +282,10 @@ def entropy_from_logits(z: Tensor, *, chunk_tokens: int = 1024) -> Tensor:
 
 
 @dataclass(frozen=True)
-class _Rows:
-    """The four tensors a forward pass reads, so `forward` takes a RolloutBatch or a TrainBatch."""
-
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    response_ids: Tensor
-    response_mask: Tensor
-
-    @classmethod
-    def of(cls, batch) -> _Rows:
-        return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-
-    @property
-    def num_samples(self) -> int:
-        return self.response_ids.shape[0]
-
-    def select(self, index: Tensor) -> _Rows:
-        return _Rows(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
-
-    def padding_like(self, rows: int = 1) -> _Rows:
-        pad = self.select(torch.zeros(rows, dtype=torch.long, device=self.response_ids.device))
-        return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
-
-
-@dataclass(frozen=True)
 class _Micro:
-    """One micro-batch: its rows (a TrainBatch or _Rows), where they came from, and the trimmed widths."""
+    """One micro-batch: its rows (a TrainBatch or Sequences), where they came from, and the trimmed widths."""
 
-    batch: TrainBatch | _Rows
+    batch: TrainBatch | Sequences
     rows: Tensor | None
     """Row indices into the (mini-)batch; None for a padding micro-batch."""
     prompt_len: int
@@ -329,11 +304,18 @@ def _lengths(prompt_mask: Tensor, response_mask: Tensor) -> tuple[list[int], lis
     return both[0].tolist(), both[1].tolist()
 
 
-def _microbatches(batch, max_tokens: int) -> list[_Micro]:
-    """Pack `batch`'s rows into token-budget micro-batches, each trimmed to its own widths."""
+def _microbatches(batch, max_tokens: int, *, skip_empty: bool = False) -> list[_Micro]:
+    """Pack `batch`'s rows into token-budget micro-batches, each trimmed to its own widths.
+
+    With `skip_empty`, rows without a single loss token (zero-std groups, rejected samples) are left
+    out: every loss term is a masked sum, so they would add exactly zero to the loss and its gradient,
+    at the full price of a forward and backward pass.
+    """
     plens, rlens = _lengths(batch.prompt_mask, batch.response_mask)
+    keep = [i for i, r in enumerate(rlens) if r > 0 or not skip_empty]
     micros = []
-    for rows in pack_microbatches(plens, rlens, max_tokens):
+    for packed in pack_microbatches([plens[i] for i in keep], [rlens[i] for i in keep], max_tokens):
+        rows = [keep[j] for j in packed]
         idx = torch.tensor(rows, dtype=torch.long, device=batch.response_ids.device)
         # At least one prompt column (the logit of response token 0 sits there) and one response column.
         p = max(1, max(plens[i] for i in rows))
@@ -524,7 +506,7 @@ class Learner:
             )
         if values and self.value_model is None:
             raise ValueError("forward(values=True) needs a critic; set learner.value_model=true")
-        rows = _Rows.of(batch)
+        rows = Sequences.of(batch)
         n, t_full = rows.response_ids.shape
         wanted = {"logprobs": policy, "entropy": policy, "ref_logprobs": ref, "values": values}
         out = {k: torch.zeros(n, t_full, device=self.device) for k, on in wanted.items() if on}
@@ -582,7 +564,10 @@ class Learner:
         c = self.cfg
         chunks = torch.arange(batch.num_samples).tensor_split(mini_batches)
         minis = [batch.select(idx) if len(idx) else None for idx in chunks]
-        micros = [_microbatches(mb, c.max_tokens_per_microbatch) if mb is not None else [] for mb in minis]
+        micros = [
+            _microbatches(mb, c.max_tokens_per_microbatch, skip_empty=True) if mb is not None else []
+            for mb in minis
+        ]
         local = torch.stack([self._local_counts(mb) for mb in minis])
         sums = self._all_reduce(local)
         local_max = torch.tensor(

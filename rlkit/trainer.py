@@ -296,7 +296,7 @@ class Trainer:
         """One step on this rank's share of the global batch; returns the global metrics (all ranks)."""
         from rlkit.algos import advantages as adv
         from rlkit.algos import correction, kl
-        from rlkit.batch import TrainBatch
+        from rlkit.batch import Sequences, TrainBatch
         from rlkit.metrics import MetricMerger
         from rlkit.weights import push_weights
 
@@ -330,19 +330,27 @@ class Trainer:
             rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
             correct = torch.tensor(scores.per_fn["math"], dtype=torch.float32, device=self.device)
 
-        # 3. log-probs. The current policy's log-probs are needed every step for the mismatch metrics
-        # (and serve as the PPO ratio's denominator when the update is off-policy).
+        # 3. log-probs. The whole batch needs the current policy's log-probs when the update uses them
+        # (IS weights, the off-policy ratio's denominator, the KL to the reference, the critic's
+        # baseline); otherwise the update's own forward pass serves, and only `rollout.mismatch_samples`
+        # samples are scored here for the mismatch metrics that prove the weight push happened.
         need_ref = a.kl_coef > 0
+        whole = a.rollout_is.enabled or self.lcfg.off_policy or need_ref or a.value_model
+        scored = rb.num_samples
+        if not whole and cfg.rollout.mismatch_samples > 0:
+            scored = min(cfg.rollout.mismatch_samples, rb.num_samples)
         with timers("logprobs"):
-            lp = self.learner.forward(rb, policy=True, ref=need_ref, values=a.value_model)
+            seqs = Sequences.of(rb) if scored == rb.num_samples else Sequences.of(rb).select(slice(0, scored))
+            lp = self.learner.forward(seqs, policy=True, ref=need_ref, values=a.value_model)
         logp = lp.logprobs.to(self.device)
+        probe = mask[:scored]  # the tokens whose current-policy log-probs were computed
         token_metrics = MetricMerger()
         kl_tok = None
         if need_ref:
             # The KL to the reference as the rollout saw it, measured before any advantage code runs.
             kl_tok = kl.kl_estimate(logp, lp.ref_logprobs.to(self.device), a.kl_estimator)
             token_metrics.add({"rollout/kl": _masked_mean(kl_tok, mask)}, mask.sum())
-        token_metrics.add({"rollout/entropy": _masked_mean(lp.entropy.to(self.device), mask)}, mask.sum())
+        token_metrics.add({"rollout/entropy": _masked_mean(lp.entropy.to(self.device), probe)}, probe.sum())
 
         # 4. advantages
         with timers("advantages"):
@@ -370,9 +378,10 @@ class Trainer:
 
         # 5. rollout correction (engine vs learner mismatch)
         with timers("correction"):
-            token_metrics.add(correction.mismatch_metrics(logp, rollout_logp, mask), mask.sum())
-            rkl = correction.rollout_kl(logp, rollout_logp, kind=a.rollout_kl_estimator)
-            token_metrics.add({"rollout_kl": _masked_mean(rkl, mask)}, mask.sum())
+            probe_rollout = rollout_logp[:scored]
+            token_metrics.add(correction.mismatch_metrics(logp, probe_rollout, probe), probe.sum())
+            rkl = correction.rollout_kl(logp, probe_rollout, kind=a.rollout_kl_estimator)
+            token_metrics.add({"rollout_kl": _masked_mean(rkl, probe)}, probe.sum())
             is_weights = None
             if a.rollout_is.enabled:
                 c = a.rollout_is
@@ -566,7 +575,8 @@ class Trainer:
         return bool(self._sum(flag)[0] > 0)
 
     def train(self) -> list[dict[str, float]]:
-        """Run from the current step to trainer.steps; returns the logged metrics of each step."""
+        """Run from the current step to trainer.steps; returns the logged metrics of each step (the
+        step-0 baseline eval of `trainer.eval_at_start` is logged as step 0, not returned)."""
         t = self.cfg.trainer
         history = []
         previous = {}
@@ -580,6 +590,13 @@ class Trainer:
             bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
         first_step = self.step
         try:
+            if t.eval_at_start and self.step == 0 and self.eval_prompts is not None:
+                timers = Timers()
+                with timers("eval"):
+                    baseline = self.evaluate()
+                baseline.update(timers.seconds)
+                if self.logger is not None:
+                    self.logger.log(baseline, step=0)
             while self.step < t.steps:
                 metrics = self.train_step()
                 if self.step == first_step:

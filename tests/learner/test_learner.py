@@ -223,6 +223,28 @@ def test_zero_std_group_contributes_exactly_zero_gradient_kl_included(tiny_model
         assert torch.equal(g_on[k], g_on_perturbed[k]), k
 
 
+def test_rows_without_loss_tokens_are_not_forwarded_and_change_nothing(tiny_model_dir):
+    """Zero-std rows cost no forward/backward: with one row per micro-batch only live rows are run,
+    and the gradient still equals the full-batch reference (where the masked rows add exactly 0)."""
+    cfg = config(tiny_model_dir, kl_coef=0.5, rollout_kl_coef=0.1, max_tokens_per_microbatch=1)
+    batch = make_batch(n=6, seed=23)
+    generated = batch.response_mask
+    live = torch.tensor([True, False, False, True, False, True])
+    masked = dataclasses.replace(batch, response_mask=generated & live[:, None])
+
+    learner = Learner(cfg)
+    learner.compute_gradients(masked)
+    assert learner.num_microbatches[-1] == 3  # one micro-batch per live row, none for the 3 masked rows
+    assert_grads_close(learner_grads(learner), reference_grads(tiny_model_dir, masked, cfg, generated))
+
+    # A batch with no live row at all still runs (one padding micro-batch) and yields a zero gradient.
+    empty = dataclasses.replace(batch, response_mask=torch.zeros_like(generated))
+    learner = Learner(cfg)
+    learner.compute_gradients(empty)
+    assert learner.num_microbatches[-1] == 1
+    assert all(g is None or torch.count_nonzero(g) == 0 for g in learner_grads(learner).values())
+
+
 # -- aliasing -------------------------------------------------------------------------------------
 
 

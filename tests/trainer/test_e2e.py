@@ -83,16 +83,17 @@ def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, 
     for key in [*REQUIRED, "rollout/kl", "eval/pass@1"]:
         assert key in hist[-1], key
     assert any(k.startswith("loss/") for k in hist[-1])
-    # metrics.jsonl: one line per step
+    # metrics.jsonl: the step-0 baseline eval (trainer.eval_at_start), then one line per step
     lines = read_jsonl(run_dir / "metrics.jsonl")
-    assert [line["step"] for line in lines] == [1, 2]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert "eval/pass@1" in lines[0] and "reward/mean" not in lines[0]
     # the W&B run, read back from its transaction log
     (wandb_file,) = (tmp_path / "wb").glob("wandb/offline-run-*/run-*.wandb")
     rows = history(wandb_file)
-    assert [r["_step"] for r in rows] == [1, 2]
+    assert [r["_step"] for r in rows] == [0, 1, 2]
     for key in REQUIRED:
-        assert key in rows[0] and key in rows[1], key
-    assert rows[1]["reward/mean"] == pytest.approx(hist[1]["reward/mean"])
+        assert key in rows[1] and key in rows[2], key
+    assert rows[2]["reward/mean"] == pytest.approx(hist[1]["reward/mean"])
     logged_config = config(wandb_file)
     assert "git_commit" in logged_config and logged_config["model"]["path"] == tiny
     # the checkpoint loads with plain transformers
@@ -208,7 +209,9 @@ def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, 
         "trainer.num_processes=2",
     )
     m1, m2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
-    assert len(m1) == len(m2) == 2
+    assert len(m1) == len(m2) == 3  # the step-0 baseline eval, then 2 steps
+    assert m1[0]["eval/pass@1"] == pytest.approx(m2[0]["eval/pass@1"])
+    m1, m2 = m1[1:], m2[1:]
     keys = [
         "reward/mean",
         "reward/std",
@@ -242,15 +245,48 @@ def test_other_algorithms_run_one_step(tiny, tmp_path, extra):
         assert "rollout_is/mean" in m and m["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mismatch_samples", [0, 2])
+def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatch_samples):
     import rlkit.weights
     from rlkit.trainer import WeightSyncError
 
     # The engine keeps its initial weights while the learner moves (large lr): the check at the step
-    # right after the first push must stop the run.
+    # right after the first push must stop the run, also when only 2 samples are re-scored.
     monkeypatch.setattr(rlkit.weights, "push_weights", lambda learner, engine: {"bytes": 0, "seconds": 0.0})
     with pytest.raises(WeightSyncError, match="after the first weight push"):
-        train(tiny, tmp_path / "w", "trainer.lr=0.05", "rollout.weight_sync_kl_threshold=1e-3")
+        train(
+            tiny,
+            tmp_path / "w",
+            "trainer.lr=0.05",
+            "rollout.weight_sync_kl_threshold=1e-3",
+            f"rollout.mismatch_samples={mismatch_samples}",
+        )
+
+
+def test_mismatch_samples_scores_a_subset_and_the_real_push_passes(tiny, tmp_path, monkeypatch):
+    """With rollout.mismatch_samples=2 the log-prob phase scores 2 rows per rank (not the batch), the
+    mismatch metrics stay ~0 because the push works, and the update still trains on every row."""
+    from rlkit.learner import Learner
+
+    scored = []
+    real_forward = Learner.forward
+
+    def counting_forward(self, batch, **kw):
+        scored.append(batch.response_ids.shape[0])
+        return real_forward(self, batch, **kw)
+
+    monkeypatch.setattr(Learner, "forward", counting_forward)
+    hist = train(
+        tiny,
+        tmp_path / "m",
+        "rollout.mismatch_samples=2",
+        "rollout.weight_sync_kl_threshold=1e-4",
+        "trainer.eval_at_start=false",
+    )
+    assert scored == [2, 2]  # one probe per step, 2 of the 8 samples
+    for m in hist:
+        assert abs(m["mismatch/kl"]) < 1e-4
+        assert m["learner/tokens_per_s"] > 0
 
 
 def test_sigterm_writes_a_checkpoint_and_stops_cleanly(tiny, tmp_path, monkeypatch):
