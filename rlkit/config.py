@@ -74,6 +74,8 @@ class DataConfig:
     """`arithmetic` only: number of generated training problems."""
     num_eval: int = 200
     """`arithmetic` only: number of generated eval problems."""
+    arithmetic_kinds: list[str] = field(default_factory=lambda: ["plain_add", "story_add", "story_sub"])
+    """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub."""
 
 
 @dataclass
@@ -322,6 +324,11 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _choice("data.template", d.template, TEMPLATES)
     _positive("data.max_prompt_tokens", d.max_prompt_tokens)
     _positive("data.eval_size", d.eval_size, allow_zero=True)
+    kinds = ["plain_add", "story_add", "story_sub"]
+    if not d.arithmetic_kinds or any(k not in kinds for k in d.arithmetic_kinds):
+        raise ConfigError(
+            f"data.arithmetic_kinds={list(d.arithmetic_kinds)} must be a non-empty subset of {kinds}"
+        )
 
     _choice("rollout.engine", r.engine, ENGINES)
     _positive("rollout.group_size", r.group_size)
@@ -426,3 +433,43 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
 def to_dict(cfg: RLConfig) -> dict:
     """Plain nested dict of the config (for W&B and the run dir)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def field_docs() -> list[tuple[str, object, str]]:
+    """(dotted key, default, one-line doc) of every config field, read from this module's field
+    docstrings (they are not kept at run time). Feeds the README's config table and its test."""
+    import ast
+    import dataclasses as dc
+    import inspect
+
+    tree = ast.parse(inspect.getsource(inspect.getmodule(field_docs)))
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if (
+                    isinstance(a, ast.AnnAssign)
+                    and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant)
+                ):
+                    docs.setdefault(node.name, {})[a.target.id] = " ".join(str(b.value.value).split())
+
+    out = []
+
+    def walk(cls, prefix):
+        for f in dc.fields(cls):
+            key = f"{prefix}{f.name}"
+            if dc.is_dataclass(f.type) or (
+                isinstance(f.type, str) and f.type in globals() and dc.is_dataclass(globals()[f.type])
+            ):
+                sub = f.type if not isinstance(f.type, str) else globals()[f.type]
+                walk(sub, key + ".")
+                continue
+            default = f.default if f.default is not dc.MISSING else f.default_factory()
+            out.append((key, default, docs.get(cls.__name__, {}).get(f.name, "")))
+
+    for f in dc.fields(RLConfig):
+        cls = f.type if not isinstance(f.type, str) else globals()[f.type]
+        walk(cls, f.name + ".")
+    return out

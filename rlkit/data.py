@@ -33,12 +33,15 @@ def cache_dir() -> Path:
 # ----------------------------------------------------------------------------------------------- arithmetic
 
 
-def _arithmetic_problem(rng: random.Random) -> dict:
+ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")
+
+
+def _arithmetic_problem(rng: random.Random, kinds: tuple[str, ...] = ARITHMETIC_KINDS) -> dict:
     """One GSM8K-format problem: small-number addition or subtraction, answer ending in `#### N`."""
     a, b = rng.randint(1, 20), rng.randint(1, 20)
     name = rng.choice(["Tom", "Sara", "Ali", "Mia", "Ken", "Lea"])
     thing = rng.choice(["apples", "pencils", "stickers", "marbles", "books"])
-    kind = rng.choice(["plain_add", "story_add", "story_sub"])
+    kind = rng.choice(kinds)
     if kind == "plain_add":
         question, work, result = f"What is {a} + {b}?", f"{a} + {b} = {a + b}", a + b
     elif kind == "story_add":
@@ -51,11 +54,26 @@ def _arithmetic_problem(rng: random.Random) -> dict:
     return {"question": question, "answer": f"{work}\n#### {result}"}
 
 
-def generate_arithmetic(directory: str | Path, *, num_train: int, num_eval: int, seed: int = 0) -> Path:
+def generate_arithmetic(
+    directory: str | Path,
+    *,
+    num_train: int,
+    num_eval: int,
+    seed: int = 0,
+    kinds: tuple[str, ...] = ARITHMETIC_KINDS,
+) -> Path:
     """Write `train.jsonl` and `test.jsonl` of arithmetic word problems into `directory` (atomically).
 
-    The set is a pure function of (num_train, num_eval, seed); eval questions never appear in train.
+    The set is a pure function of (num_train, num_eval, seed, kinds); eval questions never appear in
+    train. `kinds` picks the problem types among ARITHMETIC_KINDS ("What is a + b?", a story with an
+    addition, a story with a subtraction).
     """
+    kinds = tuple(kinds)
+    bad = [k for k in kinds if k not in ARITHMETIC_KINDS]
+    if not kinds or bad:
+        raise ValueError(
+            f"data.arithmetic_kinds={list(kinds)} must be a non-empty subset of {list(ARITHMETIC_KINDS)}"
+        )
     directory = Path(directory)
     if (directory / "train.jsonl").exists() and (directory / "test.jsonl").exists():
         return directory
@@ -66,7 +84,7 @@ def generate_arithmetic(directory: str | Path, *, num_train: int, num_eval: int,
     for _ in range(50 * (num_train + num_eval)):
         if len(rows) == num_train + num_eval:
             break
-        p = _arithmetic_problem(rng)
+        p = _arithmetic_problem(rng, kinds)
         if p["question"] not in seen:
             seen.add(p["question"])
             rows.append(p)
@@ -120,9 +138,12 @@ def load_splits(cfg: DataConfig, *, seed: int = 0):
     if path == ARITHMETIC:
         path = str(
             generate_arithmetic(
-                cache_dir() / "data" / f"arithmetic-{cfg.num_train}-{cfg.num_eval}",
+                cache_dir()
+                / "data"
+                / f"arithmetic-{cfg.num_train}-{cfg.num_eval}-{'-'.join(cfg.arithmetic_kinds)}",
                 num_train=cfg.num_train,
                 num_eval=cfg.num_eval,
+                kinds=tuple(cfg.arithmetic_kinds),
             )
         )
     local = Path(path).expanduser()

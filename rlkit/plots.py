@@ -13,7 +13,7 @@ from pathlib import Path
 # panel with no data left is dropped, so the same layout serves GRPO, PPO and eval-less runs.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/mean", "reward/max")),
-    ("accuracy", ("accuracy", "eval/accuracy", "eval/pass@1")),
+    ("accuracy", ("accuracy", "eval/pass@1")),
     ("response length (tokens)", ("response_length/mean", "response_length/max")),
     ("KL to reference", ("rollout/kl", "kl_ref")),
     ("train / rollout mismatch", ("mismatch/kl", "mismatch/k3_kl", "rollout_kl")),
@@ -56,8 +56,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
+    # pass@k keys depend on rollout.eval_group_size: draw whichever the run logged.
+    pass_at = sorted({k for row in rows for k in row if k.startswith("eval/pass@") and k != "eval/pass@1"})
     panels = []
     for title, keys in PANELS:
+        if title == "accuracy":
+            keys = keys + tuple(pass_at)
         lines = [(k, *series(rows, k)) for k in keys]
         lines = [(k, x, y) for k, x, y in lines if x]
         if lines:

@@ -629,7 +629,21 @@ class Trainer:
                 bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if self.is_main:
+            self._plot()
         return history
+
+    def _plot(self) -> None:
+        """Curves for a user without W&B: `<run_dir>/curves.png` (redraw: scripts/plot_run.py RUN_DIR)."""
+        from rlkit.plots import plot_run
+
+        try:
+            out = plot_run(self.run_dir)
+        except Exception as e:  # a plotting problem must not fail a finished run
+            log.warning("could not draw the run's curves: %s: %s", type(e).__name__, e)
+            return
+        if out is not None:
+            log.info("curves: %s", out)
 
     def close(self) -> None:
         self.scorer.close()

@@ -76,6 +76,8 @@ def test_command_line_override_wins_over_recipe():
         (["model.path=''"], "model.path is missing"),
         (["algo.dual_clip=0.5"], "algo.dual_clip=0.5 must be > 1"),
         (["algo=ppo", "algo.value_model=false"], "algo.adv_estimator='gae' needs a critic"),
+        (["data.arithmetic_kinds=[times]"], "data.arithmetic_kinds=['times'] must be a non-empty subset of"),
+        (["rollout.mismatch_samples=-1"], "rollout.mismatch_samples"),
     ],
 )
 def test_validation_errors(overrides, message):

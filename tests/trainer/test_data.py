@@ -82,3 +82,17 @@ def test_unreachable_hub_dataset_points_to_offline_options(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RuntimeError, match=r"\+recipe=quickstart.*data.path="):
         load_splits(DataConfig(path="no-such-org/no-such-dataset", subset=None))
+
+
+def test_arithmetic_kinds_select_problem_types(tmp_path):
+    import json
+
+    d = generate_arithmetic(tmp_path / "plain", num_train=30, num_eval=5, seed=0, kinds=("plain_add",))
+    rows = [
+        json.loads(line) for f in ("train.jsonl", "test.jsonl") for line in (d / f).read_text().splitlines()
+    ]
+    for r in rows:
+        a, b = (int(x) for x in r["question"].removeprefix("What is ").removesuffix("?").split(" + "))
+        assert r["answer"].endswith(f"#### {a + b}")
+    with pytest.raises(ValueError, match="arithmetic_kinds"):
+        generate_arithmetic(tmp_path / "bad", num_train=3, num_eval=1, kinds=("multiply",))

@@ -96,6 +96,8 @@ def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, 
     assert rows[2]["reward/mean"] == pytest.approx(hist[1]["reward/mean"])
     logged_config = config(wandb_file)
     assert "git_commit" in logged_config and logged_config["model"]["path"] == tiny
+    # the curves a user without W&B reads, drawn at the end of the run
+    assert (run_dir / "curves.png").stat().st_size > 10_000
     # the checkpoint loads with plain transformers
     ckpt = latest_checkpoint(run_dir)
     assert ckpt.name == "step_2"

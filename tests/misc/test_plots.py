@@ -1,0 +1,54 @@
+"""Run curves: metrics.jsonl -> PNG, and the plot_run.py script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rlkit.plots import plot_run, read_metrics, series
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_run(run_dir: Path) -> None:
+    rows = [
+        {"step": 0, "eval/pass@1": 0.1, "eval/pass@4": 0.3},
+        {"step": 1, "reward/mean": 0.0, "response_length/mean": 40.0, "mismatch/kl": 1e-7},
+        {"step": 2, "reward/mean": 0.5, "response_length/mean": 30.0, "mismatch/kl": "nan"},
+        {"step": 3, "reward/mean": 0.75, "eval/pass@1": 0.6, "eval/pass@4": 0.9},
+    ]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "reward/me'  # torn last line
+    (run_dir / "metrics.jsonl").write_text(text)
+
+
+def test_series_skips_missing_non_numeric_and_torn_rows(tmp_path):
+    write_run(tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 4  # the torn line is dropped
+    assert series(rows, "reward/mean") == ([1, 2, 3], [0.0, 0.5, 0.75])
+    assert series(rows, "eval/pass@1") == ([0, 3], [0.1, 0.6])
+    assert series(rows, "mismatch/kl") == ([1], [1e-7])  # the "nan" string is not a number
+    assert series(rows, "absent") == ([], [])
+
+
+def test_plot_run_writes_a_png_and_the_script_redraws_it(tmp_path):
+    write_run(tmp_path)
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "curves.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = tmp_path / "again.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plot_run.py"), str(tmp_path), "--out", str(other)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert other.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_run_without_data_returns_none(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert plot_run(tmp_path) is None
