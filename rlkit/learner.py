@@ -22,7 +22,7 @@ The loss of one mini-batch (every term aggregated with `loss_agg_mode` over the 
     loss =            agg(policy_loss(logp, old_logp, A) * is_weights)   policy_loss, clip_low, clip_high, dual_clip
          + kl_coef  * agg(kl_estimate(logp, ref_logp, kl_estimator))      kl_coef, kl_estimator (needs ref_logprobs)
          + rollout_kl_coef * agg(rollout_kl(logp, rollout_logp))          rollout_kl_coef, rollout_kl_estimator
-         + vf_coef  * agg(clipped_value_loss(v, old_v, returns))          value_model, vf_coef, value_clip
+         + vf_coef  * agg(losses.value_loss(v, old_v, returns))         value_model, vf_coef, value_clip
          - entropy_coef * agg(entropy)                                    entropy_coef
 
 `old_logp` is the batch's `old_logprobs`, recomputed before the first step when the update is
@@ -368,23 +368,6 @@ def _load_value_model(path: str):
     return model
 
 
-def clipped_value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None
-) -> tuple[Tensor, Tensor]:
-    """PPO's clipped value loss per token (Schulman et al. 2017; verl `compute_value_loss`).
-
-    `0.5 * max((v - R)^2, (old_v + clip(v - old_v, -clip, clip) - R)^2)`; `clip=None` gives the plain
-    `0.5 * (v - R)^2`. All [n, t]; returns (loss, clipped: bool where the clipped branch is taken).
-    Aggregate with a mask; values at padding are whatever the inputs hold.
-    """
-    unclipped = (values - returns).square()
-    if clip is None:
-        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
-    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
-    clipped = (v_clipped - returns).square()
-    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
-
-
 def _plain(x: Tensor) -> Tensor:
     """A DTensor (e.g. the grad norm of FSDP2-sharded grads) as its full value; other tensors unchanged."""
     from torch.distributed.tensor import DTensor
@@ -711,9 +694,9 @@ class Learner:
         metrics["entropy"] = token_mean(entropy)
         if self.value_model is not None:
             v = self._values(m)
-            vl, vf_clipped = clipped_value_loss(v, tok("values"), tok("returns"), c.value_clip)
+            vl, vf_metrics = losses.value_loss(v, tok("values"), tok("returns"), mask, clip=c.value_clip)
             parts["value"] = c.vf_coef * agg(vl)
-            metrics["value/clip_frac"] = token_mean(vf_clipped)
+            metrics.update({f"value/{k}": x for k, x in vf_metrics.items()})
             metrics["value/pred_mean"] = token_mean(v)
         loss = sum(parts.values())
 

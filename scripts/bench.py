@@ -86,27 +86,36 @@ def run_trl(args) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlkit.config import DataConfig
+    from rlkit.config import load_config
     from rlkit.data import load_splits
     from rlkit.models import load_tokenizer, resolve_model
-    from rlkit.rewards import math_reward
+    from rlkit.rewards import resolve
+    from rlkit.train import compose
 
+    # The very config rlkit runs with: same data, prompt template, system prompt and reward.
+    cfg = load_config(compose(rlkit_overrides(args)))
     torch.manual_seed(args.seed)
-    model_path = resolve_model(args.model)[0]
+    model_path = resolve_model(cfg.model.path)[0]
     tok = load_tokenizer(model_path)
-    data_cfg = DataConfig(path="arithmetic")
-    train, _ = load_splits(data_cfg, seed=args.seed)
-    user = lambda q: f"{q}\n{data_cfg.instruction}" if data_cfg.instruction else q  # noqa: E731
-    system = [{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else []
+    d = cfg.data
+    if d.template != "chat":
+        raise SystemExit("--compare-trl needs data.template=chat (TRL applies the chat template itself)")
+    train, _ = load_splits(d, seed=args.seed)
+    system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+
+    def user(q: str) -> str:
+        return f"{q}\n{d.instruction}" if d.instruction else q
+
     ds = datasets.Dataset.from_dict(
         {
-            "prompt": [system + [{"role": "user", "content": user(q)}] for q in train[data_cfg.prompt_key]],
-            "answer": train[data_cfg.answer_key],
+            "prompt": [system + [{"role": "user", "content": user(q)}] for q in train[d.prompt_key]],
+            "answer": train[d.answer_key],
         }
     )
+    reward_fn = resolve(cfg.reward.fn)
 
     def reward(prompts, completions, answer, **_):
-        return [math_reward("", c[0]["content"], a) for c, a in zip(completions, answer)]
+        return [reward_fn("", c[0]["content"], a) for c, a in zip(completions, answer)]
 
     times: list[float] = []
     rewards: list[float] = []

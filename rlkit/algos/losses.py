@@ -22,7 +22,7 @@ from torch import Tensor
 
 from rlkit.algos._common import EXP_CLAMP, as_bool_mask, as_float, check_choice, masked, safe_div
 
-__all__ = ["AGG_MODES", "ppo_clip", "gspo", "cispo", "aggregate"]
+__all__ = ["AGG_MODES", "ppo_clip", "gspo", "cispo", "value_loss", "aggregate"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # GSPO's sequence log-ratio is capped lower than a token's: it multiplies every token of the row.
@@ -189,6 +189,41 @@ def cispo(
             "clip_frac_low": _masked_mean(low, m, n),
             **_ratio_metrics(ratio, log_ratio.detach(), m, n),
         }
+    return masked(loss, m), metrics
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss per token (Schulman et al. 2017, arXiv:1707.06347; verl `compute_value_loss`).
+
+    `0.5 * max((v - R)^2, (old_v + clip(v - old_v, -clip, clip) - R)^2)`; `clip=None` gives the plain
+    `0.5 * (v - R)^2`. The max keeps the update pessimistic: a value that moved more than `clip` from
+    its rollout-time prediction gets no gradient when moving further helps the squared error.
+
+    Args:
+        values: [N, T] current critic predictions (gradient flows through these).
+        old_values: [N, T] predictions at rollout time; returns: [N, T] targets (e.g. GAE returns).
+        mask: [N, T] valid tokens; the loss is 0 at padding.
+        clip: the clip range, or None.
+    Returns:
+        (per_token_loss [N, T], {"vf_clip_frac": fraction of valid tokens where the clipped branch is
+        taken, "vf_error": mean |v - R|}).
+    """
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip={clip!r} is not valid; it must be > 0 or None")
+    m = as_bool_mask(mask, values)
+    # Zero the padding first: garbage there must not reach the value nor (through 0 * NaN) the gradient.
+    v, old, ret = (masked(as_float(x), m) for x in (values, old_values, returns))
+    n = m.sum().to(v.dtype)
+    unclipped = (v - ret).square()
+    if clip is None:
+        loss, taken = 0.5 * unclipped, torch.zeros_like(m)
+    else:
+        clipped = (old + (v - old).clamp(-clip, clip) - ret).square()
+        loss, taken = 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+    with torch.no_grad():
+        metrics = {"vf_clip_frac": _masked_mean(taken, m, n), "vf_error": _masked_mean((v - ret).abs(), m, n)}
     return masked(loss, m), metrics
 
 

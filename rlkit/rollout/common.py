@@ -64,3 +64,14 @@ def rows_to_batch(
         response_texts=tuple(texts),
         stats={},
     )
+
+
+def record_throughput(batch: RolloutBatch, seconds: float) -> RolloutBatch:
+    """Add the engine statistics every engine reports (`gen_tokens`, `gen_seconds`, `gen_tokens_per_s`)."""
+    gen_tokens = int(batch.response_mask.sum())
+    batch.stats.update(
+        gen_tokens=float(gen_tokens),
+        gen_seconds=seconds,
+        gen_tokens_per_s=gen_tokens / max(seconds, 1e-9),
+    )
+    return batch

@@ -22,7 +22,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.rollout.base import Sampling
-from rlkit.rollout.common import check_generate_args, rows_to_batch
+from rlkit.rollout.common import check_generate_args, record_throughput, rows_to_batch
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,7 @@ class HFEngine:
 
         group_prompts = [p for p in prompts for _ in range(n)]
         texts = self.tokenizer.batch_decode([r[0] for r in rows], skip_special_tokens=True)
-        batch = rows_to_batch(group_prompts, rows, texts, n, self.pad_id)
-        gen_tokens = int(batch.response_mask.sum())
-        batch.stats.update(
-            gen_tokens=float(gen_tokens),
-            gen_seconds=seconds,
-            gen_tokens_per_s=gen_tokens / max(seconds, 1e-9),
-        )
-        return batch
+        return record_throughput(rows_to_batch(group_prompts, rows, texts, n, self.pad_id), seconds)
 
     def _sample(self, prompts, n, sampling, generator) -> list[tuple[list[int], list[float], str]]:
         """One forward batch: prefill B prompts, repeat the cache n times, decode token by token."""

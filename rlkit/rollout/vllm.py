@@ -29,7 +29,7 @@ from torch import Tensor
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.base import Sampling
-from rlkit.rollout.common import check_generate_args, rows_to_batch
+from rlkit.rollout.common import check_generate_args, record_throughput, rows_to_batch
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +212,7 @@ class VLLMEngine:
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
         seconds = time.perf_counter() - t0
-        batch = request_outputs_to_batch(outputs, prompts, n, self.pad_id)
-        gen_tokens = int(batch.response_mask.sum())
-        batch.stats.update(
-            gen_tokens=float(gen_tokens),
-            gen_seconds=seconds,
-            gen_tokens_per_s=gen_tokens / max(seconds, 1e-9),
-        )
-        return batch
+        return record_throughput(request_outputs_to_batch(outputs, prompts, n, self.pad_id), seconds)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:

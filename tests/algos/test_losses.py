@@ -348,3 +348,54 @@ def test_invalid_arguments():
         losses.aggregate(logp, mask, "seq-mean-token-sum-norm", norm_len=0)
     with pytest.raises(ValueError, match=r"old_logp has shape"):
         losses.ppo_clip(logp, old[:, :3], adv, mask)
+
+
+# -- value loss -------------------------------------------------------------------------------------
+
+
+def test_value_loss_by_hand():
+    v = torch.tensor([[1.0, 0.0, 2.0, -1.0]])
+    old = torch.tensor([[0.0, 0.0, 1.9, 0.0]])
+    ret = torch.tensor([[0.0, 1.0, 3.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, metrics = losses.value_loss(v, old, ret, mask, clip=0.2)
+    # v - R = 1, -1, -1, 0 -> unclipped 0.5 * (1, 1, 1, 0).
+    # clipped predictions: 0 + 0.2, 0 + 0, 1.9 + 0.1, 0 - 0.2 -> errors 0.2, -1, -1, 0.8 -> 0.5 * (0.04, 1, 1, 0.64).
+    # The pessimistic max takes the clipped branch only in the last token: 0.32 > 0.
+    torch.testing.assert_close(loss, torch.tensor([[0.5, 0.5, 0.5, 0.32]]))
+    torch.testing.assert_close(metrics["vf_clip_frac"], torch.tensor(0.25))
+    torch.testing.assert_close(metrics["vf_error"], torch.tensor(0.75))  # mean |v - R| = (1+1+1+0)/4
+    plain, _ = losses.value_loss(v, old, ret, mask, clip=None)
+    torch.testing.assert_close(plain, torch.tensor([[0.5, 0.5, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("garbage", GARBAGE)
+def test_value_loss_ignores_padding_and_leaves_inputs_alone(garbage):
+    gen = torch.Generator().manual_seed(3)
+    mask = ragged_mask(4, 6, gen)
+    v, old, ret = (torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    clean, clean_m = losses.value_loss(v, old, ret, mask, clip=0.2)
+    dirty_in = [fill_padding(x, mask, garbage).requires_grad_(i == 0) for i, x in enumerate((v, old, ret))]
+    snapshot = [x.detach().clone() for x in dirty_in]
+    dirty, dirty_m = losses.value_loss(*dirty_in, mask, clip=0.2)
+    torch.testing.assert_close(dirty, clean)
+    for k in clean_m:
+        torch.testing.assert_close(dirty_m[k], clean_m[k])
+    dirty.sum().backward()
+    assert torch.isfinite(dirty_in[0].grad).all() and (dirty_in[0].grad[~mask] == 0).all()
+    for x, s in zip(dirty_in, snapshot):
+        assert torch.equal(x.detach().nan_to_num(), s.nan_to_num())
+
+
+def test_value_loss_gradient_is_v_minus_r_unless_clipped():
+    # Unclipped branch: d/dv 0.5 (v - R)^2 = v - R; clipped branch taken: 0 (the clip stops the gradient).
+    v = torch.tensor([[0.3, 1.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.25, 0.0]], dtype=torch.float64)
+    ret = torch.tensor([[0.0, 2.0]], dtype=torch.float64)
+    loss, _ = losses.value_loss(v, old, ret, torch.ones(1, 2, dtype=torch.bool), clip=0.2)
+    loss.sum().backward()
+    # token 0: |v - old| = 0.05 < clip, both branches equal -> gradient v - R = 0.3.
+    # token 1: clipped prediction 0.2 is farther from R=2 (1.8^2 > 1.0^2) -> clipped branch, gradient 0.
+    torch.testing.assert_close(v.grad, torch.tensor([[0.3, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="clip"):
+        losses.value_loss(v, old, ret, torch.ones(1, 2, dtype=torch.bool), clip=-1.0)

@@ -64,25 +64,6 @@ def test_clean_param_name_strips_wrappers_only():
     assert clean_param_name("model.some_module.weight") == "model.some_module.weight"
 
 
-def test_clipped_value_loss_by_hand():
-    from rlkit.learner import clipped_value_loss
-
-    v = torch.tensor([[1.0, 0.0, 2.0]])
-    old = torch.tensor([[0.0, 0.0, 1.9]])
-    ret = torch.tensor([[0.0, 1.0, 3.0]])
-    loss, clipped = clipped_value_loss(v, old, ret, 0.2)
-    # row: v-R = 1, -1, -1 -> unclipped 0.5 each; clipped preds 0.2, 0.0, 2.0 -> (0.2)^2, 1, 1
-    torch.testing.assert_close(loss, torch.tensor([[0.5, 0.5, 0.5]]))
-    assert clipped.tolist() == [[False, False, False]]
-    v2 = torch.tensor([[-1.0]])
-    loss2, clipped2 = clipped_value_loss(v2, torch.tensor([[0.0]]), torch.tensor([[-1.0]]), 0.2)
-    # unclipped 0; clipped pred -0.2 -> 0.5 * 0.8^2 = 0.32, the pessimistic max wins
-    torch.testing.assert_close(loss2, torch.tensor([[0.32]]))
-    assert clipped2.tolist() == [[True]]
-    plain, _ = clipped_value_loss(v2, torch.tensor([[0.0]]), torch.tensor([[-1.0]]), None)
-    assert plain.item() == 0.0
-
-
 def test_config_rejects_bad_values_naming_the_key():
     with pytest.raises(ValueError, match=r"learner.loss_agg_mode='mean'.*token-mean"):
         LearnerConfig(loss_agg_mode="mean")
