@@ -1,12 +1,14 @@
 """Benchmark N GRPO steps of rlkit (and, with --compare-trl, of TRL's GRPOTrainer at equal settings).
 
-    python scripts/bench.py --model smollm2-135m --prompts 4 --group 4 --max-new-tokens 48 --steps 10
+    python scripts/bench.py --model smollm2-135m --prompts 4 --group 4 --max-new-tokens 32 --steps 20
     python scripts/bench.py ... --compare-trl          # then TRL on the same model, prompts, rewards
     python scripts/bench.py ... --json                 # one JSON object for machines
 
-Both frameworks run on the quickstart task (generated arithmetic problems, the exact-answer `math`
-reward), the same model, group size, prompts per step, max new tokens, temperature, learning rate
-(constant), no KL term, token-mean loss, one optimizer step per batch, fp32 on CPU. Each runs in its
+Both frameworks run the quickstart recipe's task (its data, prompt template, system prompt and the
+exact-answer `math` reward: TRL gets them from rlkit's own composed config), the same model, group
+size, prompts per step, max new tokens, temperature, learning rate (constant), no KL term, token-mean
+loss over the global batch (TRL `loss_type="dapo"`), one optimizer step per batch, fp32 on CPU. The
+defaults are the quickstart recipe's settings. Each runs in its
 own child process, one after the other, so neither inherits the other's threads, caches or memory.
 """
 
@@ -64,16 +66,25 @@ def run_rlkit(args) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(load_config(compose(rlkit_overrides(args))))
     setup_s = time.perf_counter() - t0
+    # Wall clock at the end of each step, as TRL's on_step_end below: everything between steps counts.
+    ends: list[float] = []
+    step = trainer.train_step
+
+    def timed_step():
+        metrics = step()
+        ends.append(time.perf_counter())
+        return metrics
+
+    trainer.train_step = timed_step
+    t_start = time.perf_counter()
     try:
         history = trainer.train()
     finally:
         trainer.close()
-    steps, seconds = [], 0.0
-    for i, metrics in enumerate(history):
-        seconds += metrics["timing/step_s"]  # wall time of the whole step, all phases
-        steps.append(
-            {"step": i + 1, "seconds": seconds, "reward": metrics.get("reward/mean"), "metrics": metrics}
-        )
+    steps = [
+        {"step": i + 1, "seconds": end - t_start, "reward": m.get("reward/mean"), "metrics": m}
+        for i, (end, m) in enumerate(zip(ends, history))
+    ]
     return {"framework": "rlkit", "setup_s": setup_s, "steps": steps}
 
 
@@ -192,13 +203,18 @@ def mean_after_first(xs: list[float]) -> float:
     return sum(rest) / len(rest)
 
 
+def moving_average(xs: list[float], window: int) -> list[float]:
+    """Means of each full window of `window` consecutive values (len(xs) - window + 1 of them)."""
+    return [sum(xs[i : i + window]) / window for i in range(len(xs) - window + 1)]
+
+
 def time_to_reward(result: dict, level: float, window: int = 5) -> float | None:
-    """Wall seconds until the moving average (over `window` steps) of training reward reaches `level`."""
-    rs = [s["reward"] for s in result["steps"]]
-    for i in range(len(rs)):
-        w = [r for r in rs[max(0, i - window + 1) : i + 1] if r is not None]
-        if w and len(w) == min(window, i + 1) and sum(w) / len(w) >= level:
-            return result["steps"][i]["seconds"]
+    """Wall seconds at the end of the first full `window`-step stretch whose mean training reward
+    reaches `level` (None if none does): one lucky step does not count."""
+    rewards = [s["reward"] if s["reward"] is not None else 0.0 for s in result["steps"]]
+    for i, avg in enumerate(moving_average(rewards, window)):
+        if avg >= level:
+            return result["steps"][i + window - 1]["seconds"]
     return None
 
 
@@ -221,7 +237,7 @@ def rlkit_table(result: dict) -> str:
     lines.append(f"{'step':<16} {total:7.2f}")
     for key, label in (
         ("perf/gen_tokens_per_s", "generated tokens/s"),
-        ("perf/train_tokens_per_s", "trained tokens/s"),
+        ("learner/tokens_per_s", "trained tokens/s (learner)"),
         ("perf/peak_memory_gb", "peak memory (GB)"),
     ):
         lines.append(f"{label:<24} {avg(key):10.2f}")
@@ -231,7 +247,8 @@ def rlkit_table(result: dict) -> str:
 def child(framework: str, args, out: Path) -> dict:
     """Run one framework in a fresh Python process; its result comes back through a JSON file."""
     cmd = [sys.executable, __file__, "--_worker", framework, "--_out", str(out)] + args.argv
-    subprocess.run(cmd, check=True, cwd=REPO)
+    # The child's own output goes to stderr, so stdout carries only the report (--json stays parseable).
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=sys.stderr)
     return json.loads(out.read_text())
 
 
@@ -240,12 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model.path (short name, local dir or hub id)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=4, help="samples per prompt (group size)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
+    p.add_argument("--engine", default="hf", choices=["auto", "hf", "vllm"])
     p.add_argument("--device", default="cpu", help="trainer.device (cpu / cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
@@ -285,10 +302,12 @@ def main(argv: list[str] | None = None) -> None:
         r, t = summary["rlkit"], summary["trl"]
         summary["ratio_step_time"] = r["mean_step_s"] / t["mean_step_s"]
         # The reward level TRL reaches (best 5-step moving average), and when each framework first gets there.
-        trl_rewards = [x for _, x in t["reward_curve"] if x is not None]
-        level = max(sum(trl_rewards[i : i + 5]) / 5 for i in range(max(1, len(trl_rewards) - 4)))
+        trl_rewards = [x if x is not None else 0.0 for _, x in t["reward_curve"]]
+        window = min(5, len(trl_rewards))
+        level = max(moving_average(trl_rewards, window))
         summary["reward_level"] = level
-        summary["time_to_level_s"] = {n: time_to_reward(results[n], level) for n in results}
+        summary["reward_window"] = window
+        summary["time_to_level_s"] = {n: time_to_reward(results[n], level, window) for n in results}
         tr, tt = summary["time_to_level_s"]["rlkit"], summary["time_to_level_s"]["trl"]
         summary["ratio_time_to_level"] = tr / tt if tr is not None and tt else None
 
@@ -304,7 +323,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "trl" in results:
         print(f"ratio rlkit/TRL seconds per step: {summary['ratio_step_time']:.2f}")
-        print(f"reward level (TRL's best 5-step average): {summary['reward_level']:.3f}")
+        print(
+            f"reward level (TRL's best {summary['reward_window']}-step average): {summary['reward_level']:.3f}"
+        )
         for n, v in summary["time_to_level_s"].items():
             print(f"  {n:<6} reaches it after {v:.1f} s" if v is not None else f"  {n:<6} never reaches it")
         if summary["ratio_time_to_level"] is not None:

@@ -16,6 +16,12 @@ from rlkit.algos._common import as_bool_mask, as_float, check_groups, masked, sa
 __all__ = ["grpo", "rloo", "reinforce_pp", "gae", "kl_shaped_rewards", "zero_std_groups"]
 
 
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    """[N] rewards -> [N / G, G] in the compute dtype, after checking that G divides N."""
+    check_groups(rewards.shape[0], group_size)
+    return as_float(rewards).reshape(-1, group_size)
+
+
 def grpo(rewards: Tensor, group_size: int, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Group-relative advantages, one per sample.
 
@@ -31,10 +37,9 @@ def grpo(rewards: Tensor, group_size: int, *, norm_by_std: bool = True, eps: flo
     Returns:
         [N] advantages.
     """
-    check_groups(rewards.shape[0], group_size)
-    r = as_float(rewards).reshape(-1, group_size)
+    r = _groups(rewards, group_size)
     if group_size == 1:
-        return torch.zeros_like(r).reshape(-1)
+        return torch.zeros_like(r).reshape(-1)  # no baseline to compare with
     centred = r - r.mean(dim=1, keepdim=True)
     if norm_by_std:
         centred = centred / (r.std(dim=1, unbiased=True, keepdim=True) + eps)
@@ -51,10 +56,9 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     Returns:
         [N] advantages.
     """
-    check_groups(rewards.shape[0], group_size)
-    r = as_float(rewards).reshape(-1, group_size)
+    r = _groups(rewards, group_size)
     if group_size == 1:
-        return torch.zeros_like(r).reshape(-1)
+        return torch.zeros_like(r).reshape(-1)  # no other sample to form the baseline
     return ((r - r.mean(dim=1, keepdim=True)) * (group_size / (group_size - 1))).reshape(-1)
 
 

@@ -2,6 +2,7 @@
 an offline W&B run read back from its files, an HF checkpoint, exact resume, an interrupted checkpoint,
 failing reward functions, 2 processes == 1 process, and the launch line from two folders."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -310,3 +311,48 @@ def test_sigterm_writes_a_checkpoint_and_stops_cleanly(tiny, tmp_path, monkeypat
     # and the run resumes from there
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert len(train(tiny, tmp_path / "s", "trainer.steps=2")) == 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_eval_is_never_masked_whatever_its_group_size(tiny, tmp_path, k):
+    """Evaluation with one sample per prompt (every "group" trivially has zero std) must count every
+    sample: another framework's zero-std fix masked all of them. pass@1 / pass@k are checked against
+    counts worked out here from responses we choose."""
+    from rlkit.rewards import extract_gsm8k_answer
+    from rlkit.trainer import Trainer
+
+    cfg = load_config(
+        compose(
+            overrides(
+                tiny,
+                tmp_path / "e",
+                f"rollout.eval_group_size={k}",
+                "rollout.eval_temperature=1.0",
+                "algo.mask_zero_std_groups=true",
+                "data.eval_size=4",
+            )
+        )
+    )
+    trainer = Trainer(cfg)
+    try:
+        answers = [extract_gsm8k_answer(a) for a in trainer.eval_prompts.answers]
+        real_generate = trainer._generate
+
+        def chosen(prompts, n, sampling, seed, **kw):
+            rb = real_generate(prompts, n, sampling, seed, **kw)
+            # prompts 0 and 1: every sample right; prompt 2: only its first sample right; prompt 3: none.
+            texts = [
+                f"#### {answers[i]}" if i < 2 or (i == 2 and j == 0) else "#### -12345"
+                for i in range(len(prompts))
+                for j in range(n)
+            ]
+            return dataclasses.replace(rb, response_texts=tuple(texts))
+
+        trainer._generate = chosen
+        result = trainer.evaluate()
+    finally:
+        trainer.close()
+    correct_samples = 2 * k + 1
+    assert result["eval/pass@1"] == pytest.approx(correct_samples / (4 * k))
+    if k > 1:
+        assert result[f"eval/pass@{k}"] == pytest.approx(3 / 4)
