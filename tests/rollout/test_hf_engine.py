@@ -10,16 +10,21 @@ from rlkit.rollout.hf import HFEngine
 EOS = 2  # SmolLM2's <|im_end|>, also its pad token
 
 
-def recompute_logprobs(model, batch, temperature: float) -> torch.Tensor:
-    """What a learner does: one forward over prompt+response, log_softmax(logits / T), gather."""
+def response_logits(model, batch) -> torch.Tensor:
+    """What a learner does: one forward over prompt+response; [N, T, V] logits predicting each
+    response token (token t sits at p + t and is predicted by the logits at p + t - 1)."""
     ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
     mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     p = batch.prompt_ids.shape[1]
-    # Response token t sits at p + t and is predicted by the logits at p + t - 1.
-    logp = torch.log_softmax(logits[:, p - 1 : -1].float() / temperature, -1)
+    return logits[:, p - 1 : -1].float()
+
+
+def recompute_logprobs(model, batch, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) gathered at the sampled tokens, 0 at padding."""
+    logp = torch.log_softmax(response_logits(model, batch) / temperature, -1)
     return logp.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
 
 
@@ -69,17 +74,11 @@ def test_logprobs_equal_learner_recomputation(engine, tiny_model, prompts, tempe
 def test_top_k_top_p_logprobs_are_the_renormalised_truncated_distribution(engine, tiny_model, prompts):
     sampling = Sampling(temperature=0.7, top_k=20, top_p=0.5, max_new_tokens=8, seed=5)
     batch = engine.generate(prompts, 2, sampling)
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
-    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
-    with torch.no_grad():
-        logits = tiny_model(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
-        ).logits
-    p = batch.prompt_ids.shape[1]
+    logits = response_logits(tiny_model, batch)
     # Naive per-token loop: keep the top 20, then the smallest head of them whose mass reaches 0.5.
     for i in range(batch.num_samples):
         for t in range(int(batch.response_mask[i].sum())):
-            probs = torch.softmax(logits[i, p + t - 1] / 0.7, -1)
+            probs = torch.softmax(logits[i, t] / 0.7, -1)
             top = probs.topk(20)
             kept_p = top.values / top.values.sum()
             keep, mass = [], 0.0
@@ -101,14 +100,7 @@ def test_greedy_is_deterministic_and_is_the_argmax(engine, tiny_model, prompts):
     b = engine.generate(prompts, 2, greedy)
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
-    ids = torch.cat([a.prompt_ids, a.response_ids], 1)
-    mask = torch.cat([a.prompt_mask, a.response_mask], 1).long()
-    with torch.no_grad():
-        logits = tiny_model(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
-        ).logits
-    p = a.prompt_ids.shape[1]
-    argmax = logits[:, p - 1 : -1].argmax(-1)
+    argmax = response_logits(tiny_model, a).argmax(-1)
     assert torch.equal(argmax[a.response_mask], a.response_ids[a.response_mask])
     # Greedy reports the temperature-1 log-probs (as vLLM does).
     torch.testing.assert_close(a.rollout_logprobs, recompute_logprobs(tiny_model, a, 1.0), atol=1e-4, rtol=0)
