@@ -190,12 +190,6 @@ class Trainer:
         )
         self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
         self.group_size = r.group_size
-        if cfg.algo.adv_estimator == "reinforce_pp" and self.world > 1:
-            # algos.reinforce_pp whitens over the batch it is given, here each rank's own rows.
-            log.warning(
-                "algo.adv_estimator='reinforce_pp' with %d ranks whitens per rank, not over the global batch",
-                self.world,
-            )
         self.prompts_per_rank = t.train_batch_size // (r.group_size * self.world)
 
         self.scorer = RewardScorer(
@@ -373,7 +367,11 @@ class Trainer:
                         token_rewards, lp.values.to(self.device), mask, gamma=a.gamma, lam=a.lam
                     )
                 else:
-                    advantages = adv.reinforce_pp(token_rewards, mask, gamma=a.gamma)
+                    # REINFORCE++ whitens over the global batch: with several ranks, every rank
+                    # whitens its rows with the statistics summed over all ranks.
+                    discounted = adv.discounted_returns(token_rewards, mask, gamma=a.gamma)
+                    stats = self._sum(adv.masked_moments(discounted, mask)) if self.world > 1 else None
+                    advantages = adv.whiten(discounted, mask, moments=stats)
             loss_mask = mask & ~zero_std[:, None] if a.mask_zero_std_groups else mask
 
         # 5. rollout correction (engine vs learner mismatch)

@@ -13,7 +13,17 @@ from torch import Tensor
 
 from rlkit.algos._common import as_bool_mask, as_float, check_groups, masked, safe_div
 
-__all__ = ["grpo", "rloo", "reinforce_pp", "gae", "kl_shaped_rewards", "zero_std_groups"]
+__all__ = [
+    "grpo",
+    "rloo",
+    "reinforce_pp",
+    "discounted_returns",
+    "masked_moments",
+    "whiten",
+    "gae",
+    "kl_shaped_rewards",
+    "zero_std_groups",
+]
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -80,7 +90,9 @@ def reinforce_pp(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> 
     batch: `(G - mean) * rsqrt(var + 1e-8)` with the unbiased variance. Masked positions are skipped
     (their reward is ignored and the return flows across them undiscounted), so an interior masked
     span (e.g. a tool observation) does not cut the credit from a final reward. This differs from
-    verl, which resets the return at every masked position.
+    verl, which resets the return at every masked position. For a batch split over ranks, whiten
+    with the global statistics: `whiten(discounted_returns(...), mask, moments=sum of every rank's
+    masked_moments(...))`.
 
     Args:
         token_rewards: [N, T] per-token rewards (e.g. from `kl_shaped_rewards`).
@@ -89,13 +101,43 @@ def reinforce_pp(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> 
     Returns:
         [N, T] advantages, 0 at padding; all 0 when the mask is empty.
     """
+    return whiten(discounted_returns(token_rewards, mask, gamma=gamma), mask)
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """[N, T] discounted returns `G_t = r_t + gamma * G_next` over the valid tokens of each row
+    (masked positions skipped, 0 at padding): REINFORCE++ before whitening."""
     m = as_bool_mask(mask, token_rewards)
-    returns = _masked_discounted_returns(masked(as_float(token_rewards), m), m, gamma)
-    n = m.sum().to(returns.dtype)
-    mean = safe_div(returns.sum(), n)
-    centred = masked(returns - mean, m)
-    # Unbiased variance; with one valid token the centred value is 0 anyway, so clamp n-1 to 1.
-    var = centred.square().sum() / (n - 1).clamp(min=1)
+    return _masked_discounted_returns(masked(as_float(token_rewards), m), m, gamma)
+
+
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """[3] (count, sum, sum of squares) of `x` over the valid tokens: summed over ranks (all-reduce),
+    they give `whiten` the statistics of the global batch."""
+    m = as_bool_mask(mask, x)
+    v = masked(as_float(x), m)
+    return torch.stack([m.sum().to(v.dtype), v.sum(), v.square().sum()])
+
+
+def whiten(x: Tensor, mask: Tensor, *, moments: Tensor | None = None) -> Tensor:
+    """`(x - mean) * rsqrt(var + 1e-8)` over the valid tokens, unbiased variance, 0 at padding.
+
+    `moments`: (count, sum, sum of squares) of the whole batch when `x` is one rank's share of it
+    (see `masked_moments`); None = this batch's own statistics, computed in two passes for accuracy.
+    """
+    m = as_bool_mask(mask, x)
+    v = masked(as_float(x), m)
+    if moments is None:
+        n = m.sum().to(v.dtype)
+        mean = safe_div(v.sum(), n)
+        centred = masked(v - mean, m)
+        # Unbiased variance; with one valid token the centred value is 0 anyway, so clamp n-1 to 1.
+        var = centred.square().sum() / (n - 1).clamp(min=1)
+    else:
+        n, total, total_sq = moments.to(device=v.device, dtype=v.dtype).unbind()
+        mean = safe_div(total, n)
+        centred = masked(v - mean, m)
+        var = (total_sq - n * mean.square()).clamp(min=0) / (n - 1).clamp(min=1)
     return masked(centred * torch.rsqrt(var + 1e-8), m)
 
 

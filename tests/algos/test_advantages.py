@@ -262,3 +262,27 @@ def test_padding_garbage_never_leaks(garbage):
         advantages.kl_shaped_rewards(rewards, dirty_r, mask, kl_coef=0.1),
         advantages.kl_shaped_rewards(rewards, r, mask, kl_coef=0.1),
     )
+
+
+def test_reinforce_pp_split_over_ranks_whitens_with_the_global_statistics():
+    """Each 'rank' holds some rows; summing their masked_moments (what an all-reduce does) and
+    whitening each share with that sum gives exactly the full-batch reinforce_pp."""
+    gen = torch.Generator().manual_seed(7)
+    mask = ragged_mask(7, 9, gen)
+    rewards = torch.randn(7, 9, generator=gen, dtype=torch.float64)
+    full = advantages.reinforce_pp(rewards, mask, gamma=0.9)
+    shares = [slice(0, 3), slice(3, 4), slice(4, 7)]  # uneven, as ranks' rows after filtering
+    returns = [advantages.discounted_returns(rewards[s], mask[s], gamma=0.9) for s in shares]
+    total = sum(advantages.masked_moments(g, mask[s]) for g, s in zip(returns, shares))
+    # By hand: the moments are (count, sum, sum of squares) of the full-batch returns' valid tokens.
+    g_full = advantages.discounted_returns(rewards, mask, gamma=0.9)[mask]
+    torch.testing.assert_close(
+        total,
+        torch.stack(
+            [torch.tensor(float(g_full.numel()), dtype=torch.float64), g_full.sum(), (g_full**2).sum()]
+        ),
+    )
+    split = torch.cat([advantages.whiten(g, mask[s], moments=total) for g, s in zip(returns, shares)])
+    torch.testing.assert_close(split, full)
+    # A share whitened with only its own statistics is not the full-batch result.
+    assert not torch.allclose(advantages.whiten(returns[0], mask[shares[0]]), full[shares[0]])

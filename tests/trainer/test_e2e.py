@@ -195,10 +195,12 @@ def _launch(cwd, *args, timeout=600):
     return proc
 
 
-def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp"])
+def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, tmp_path, estimator):
     """`python -m rlkit.train +recipe=quickstart ...` from the repo root (1 process) and from another folder
-    (2 gloo processes) give the same metrics on the same global batch."""
-    common = [*overrides(tiny, "X", "rollout.seed_per_prompt=true")]
+    (2 gloo processes) give the same metrics on the same global batch; for REINFORCE++ this needs the
+    whitening over the global batch, not over each rank's rows."""
+    common = [*overrides(tiny, "X", "rollout.seed_per_prompt=true", f"algo.adv_estimator={estimator}")]
     one = tmp_path / "one"
     two = tmp_path / "two"
     _launch(
