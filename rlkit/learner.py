@@ -599,6 +599,13 @@ class Learner:
                 step_metrics.append(self._optimizer_step())
 
         result = merger.compute()
+        # With no loss token anywhere (every group zero-std), per-token statistics such as the
+        # entropy are undefined, not 0: report NaN so a plot shows a gap instead of a fake collapse.
+        # The loss parts really are 0.
+        tokens = sum(counts["num_tokens"] for _, counts, _ in plans)
+        for k, v in result.items():
+            if not k.startswith("loss/"):
+                result[k] = torch.where(tokens > 0, v, torch.full_like(v, float("nan")))
         for k in step_metrics[0]:
             result[k] = torch.stack([s[k] for s in step_metrics]).mean()
         processed = sum(counts["processed"] for _, counts, _ in plans) * c.ppo_epochs

@@ -224,6 +224,11 @@ def test_rows_without_loss_tokens_are_not_forwarded_and_change_nothing(tiny_mode
     learner.compute_gradients(empty)
     assert learner.num_microbatches[-1] == 1
     assert all(g is None or torch.count_nonzero(g) == 0 for g in learner_grads(learner).values())
+    # Its update reports a zero loss, and undefined (NaN, not 0) per-token statistics.
+    metrics = Learner(cfg).update(empty)
+    assert metrics["loss/total"] == 0 and metrics["loss/policy"] == 0
+    assert torch.isnan(metrics["entropy"]) and torch.isnan(metrics["kl_ref"])
+    assert torch.isfinite(metrics["lr"])
 
 
 # -- aliasing -------------------------------------------------------------------------------------
