@@ -33,8 +33,44 @@ def _check_rows(obj, n: int, t: int | None = None) -> None:
             raise ValueError(f"{type(obj).__name__}.{f.name} has {v.shape[0]} rows, expected {n}")
 
 
+class _RowOps:
+    """Row operations shared by the batches: they work over every tensor field, so a field added to
+    a batch is carried by `select`, `padding_like` and `to` without touching them."""
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_ids.shape[0]
+
+    def tensor_fields(self) -> dict[str, Tensor]:
+        """All tensor-valued fields by name (None fields left out)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+
+    def select(self, index: Tensor | list[int] | slice):
+        """Rows `index` of every tensor field (a new batch; the original is untouched)."""
+        if isinstance(index, list):
+            index = torch.tensor(index, dtype=torch.long, device=self.response_ids.device)
+        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensor_fields().items()})
+
+    def padding_like(self, rows: int = 1):
+        """A padding micro-batch: `rows` copies of this batch's first row in every field, loss mask 0.
+
+        Built from the real fields (not a hard-coded list), so it carries whatever per-token
+        fields the real micro-batches carry, with finite values and no loss contribution.
+        """
+        idx = torch.zeros(rows, dtype=torch.long, device=self.response_ids.device)
+        pad = self.select(idx)
+        return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
+
+    def to(self, device: torch.device | str):
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensor_fields().items()})
+
+
 @dataclass(frozen=True)
-class Sequences:
+class Sequences(_RowOps):
     """Just the token tensors a forward pass reads; `Sequences.of(batch)` views a RolloutBatch or a
     TrainBatch this way, and `select` takes any subset of rows (no group-size constraint)."""
 
@@ -46,17 +82,6 @@ class Sequences:
     @classmethod
     def of(cls, batch) -> Sequences:
         return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-
-    @property
-    def num_samples(self) -> int:
-        return self.response_ids.shape[0]
-
-    def select(self, index: Tensor | slice) -> Sequences:
-        return Sequences(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
-
-    def padding_like(self, rows: int = 1) -> Sequences:
-        pad = self.select(torch.zeros(rows, dtype=torch.long, device=self.response_ids.device))
-        return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
 
 
 @dataclass(frozen=True)
@@ -109,7 +134,7 @@ class RolloutBatch:
 
 
 @dataclass(frozen=True)
-class TrainBatch:
+class TrainBatch(_RowOps):
     """What the learner trains on. Per-token fields are [N, T] over the response positions.
 
     Optional fields are None when the algorithm does not need them. Generic helpers (`select`,
@@ -144,34 +169,3 @@ class TrainBatch:
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])
-
-    @property
-    def num_samples(self) -> int:
-        return self.response_ids.shape[0]
-
-    def tensor_fields(self) -> dict[str, Tensor]:
-        """All tensor-valued fields by name (None fields left out)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
-        }
-
-    def select(self, index: Tensor | list[int] | slice) -> TrainBatch:
-        """Rows `index` of every tensor field (a new batch; the original is untouched)."""
-        if isinstance(index, list):
-            index = torch.tensor(index, dtype=torch.long, device=self.response_ids.device)
-        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensor_fields().items()})
-
-    def padding_like(self, rows: int = 1) -> TrainBatch:
-        """A padding micro-batch: `rows` copies of this batch's first row in every field, loss mask 0.
-
-        Built from the real fields (not a hard-coded list), so it carries whatever per-token
-        fields the real micro-batches carry, with finite values and no loss contribution.
-        """
-        idx = torch.zeros(rows, dtype=torch.long, device=self.response_ids.device)
-        pad = self.select(idx)
-        return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
-
-    def to(self, device: torch.device | str) -> TrainBatch:
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensor_fields().items()})

@@ -33,6 +33,7 @@ LR_SCHEDULES = ["constant", "cosine"]
 LOGGERS = ["wandb", "console", "none"]
 TEMPLATES = ["chat", "plain"]
 DEVICES = ["auto", "cpu", "cuda"]
+ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")  # problem types of rlkit.data's generated set
 
 
 @dataclass
@@ -74,7 +75,7 @@ class DataConfig:
     """`arithmetic` only: number of generated training problems."""
     num_eval: int = 200
     """`arithmetic` only: number of generated eval problems."""
-    arithmetic_kinds: list[str] = field(default_factory=lambda: ["plain_add", "story_add", "story_sub"])
+    arithmetic_kinds: list[str] = field(default_factory=lambda: list(ARITHMETIC_KINDS))
     """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub."""
 
 
@@ -267,6 +268,15 @@ class ConfigError(ValueError):
     """A configuration that cannot work (raised before any model loads)."""
 
 
+def check_arithmetic_kinds(kinds) -> None:
+    """`data.arithmetic_kinds` must be a non-empty subset of ARITHMETIC_KINDS (checked at start-up and
+    by rlkit.data.generate_arithmetic)."""
+    if not kinds or any(k not in ARITHMETIC_KINDS for k in kinds):
+        raise ConfigError(
+            f"data.arithmetic_kinds={list(kinds)} must be a non-empty subset of {list(ARITHMETIC_KINDS)}"
+        )
+
+
 def register_configs() -> None:
     """Register the schema and every recipe with Hydra's ConfigStore.
 
@@ -324,11 +334,7 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _choice("data.template", d.template, TEMPLATES)
     _positive("data.max_prompt_tokens", d.max_prompt_tokens)
     _positive("data.eval_size", d.eval_size, allow_zero=True)
-    kinds = ["plain_add", "story_add", "story_sub"]
-    if not d.arithmetic_kinds or any(k not in kinds for k in d.arithmetic_kinds):
-        raise ConfigError(
-            f"data.arithmetic_kinds={list(d.arithmetic_kinds)} must be a non-empty subset of {kinds}"
-        )
+    check_arithmetic_kinds(d.arithmetic_kinds)
 
     _choice("rollout.engine", r.engine, ENGINES)
     _positive("rollout.group_size", r.group_size)

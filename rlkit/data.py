@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlkit.config import DataConfig
+from rlkit.config import ARITHMETIC_KINDS, DataConfig, check_arithmetic_kinds
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,6 @@ def cache_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------------------------- arithmetic
-
-
-ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")
 
 
 def _arithmetic_problem(rng: random.Random, kinds: tuple[str, ...] = ARITHMETIC_KINDS) -> dict:
@@ -69,11 +66,7 @@ def generate_arithmetic(
     addition, a story with a subtraction).
     """
     kinds = tuple(kinds)
-    bad = [k for k in kinds if k not in ARITHMETIC_KINDS]
-    if not kinds or bad:
-        raise ValueError(
-            f"data.arithmetic_kinds={list(kinds)} must be a non-empty subset of {list(ARITHMETIC_KINDS)}"
-        )
+    check_arithmetic_kinds(kinds)
     directory = Path(directory)
     if (directory / "train.jsonl").exists() and (directory / "test.jsonl").exists():
         return directory

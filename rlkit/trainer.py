@@ -334,7 +334,7 @@ class Trainer:
         if not whole and cfg.rollout.mismatch_samples > 0:
             scored = min(cfg.rollout.mismatch_samples, rb.num_samples)
         with timers("logprobs"):
-            seqs = Sequences.of(rb) if scored == rb.num_samples else Sequences.of(rb).select(slice(0, scored))
+            seqs = Sequences.of(rb).select(slice(0, scored))  # all rows when scored == N (a view)
             lp = self.learner.forward(seqs, policy=True, ref=need_ref, values=a.value_model)
         logp = lp.logprobs.to(self.device)
         probe = mask[:scored]  # the tokens whose current-policy log-probs were computed
