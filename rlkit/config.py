@@ -29,6 +29,8 @@ LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_ESTIMATORS = ["k1", "abs", "k2", "k3"]
 IS_LEVELS = ["token", "sequence", "geometric"]
 IS_MODES = ["truncate", "mask", "both"]
+DYNAMIC_SAMPLING = ["off", "refill"]
+FILTER_METRICS = ["reward", "accuracy"]
 LR_SCHEDULES = ["constant", "cosine"]
 LOGGERS = ["wandb", "console", "none"]
 TEMPLATES = ["chat", "plain"]
@@ -182,6 +184,15 @@ class AlgoConfig:
     """Coefficient of the KL between learner and engine log-probs (soft trust region; 0 = off)."""
     rollout_kl_estimator: str = "k2"
     """k1 | abs | k2 | k3 for the rollout-KL term."""
+    dynamic_sampling: str = "off"
+    """off | refill: drop groups whose `filter_metric` has no spread and generate more prompts until the
+    step holds train_batch_size samples of informative groups (DAPO dynamic sampling)."""
+    filter_metric: str = "reward"
+    """Spread that makes a group informative under refill: reward (the total reward) | accuracy (math)."""
+    max_gen_batches: int = 4
+    """Refill: at most this many generation batches per step; then train on what there is (warning)."""
+    overlong_filter: bool = False
+    """Take responses cut by rollout.max_new_tokens (finish reason `length`) out of the loss mask."""
 
 
 @dataclass
@@ -195,6 +206,10 @@ class RewardConfig:
     """A reward call running longer than this yields 0 and counts in `reward/errors`."""
     num_workers: int = 2
     """Reward worker processes (isolated so a hanging function can be killed)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty: the last this many tokens before rollout.max_new_tokens (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Penalty at the cap; it grows linearly over the buffer and is logged as `reward/overlong`."""
 
 
 @dataclass
@@ -362,6 +377,21 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _positive("algo.rollout_kl_coef", a.rollout_kl_coef, allow_zero=True)
     _positive("algo.ppo_epochs", a.ppo_epochs)
     _positive("algo.mini_batches", a.mini_batches)
+    _choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)
+    _choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
+    _positive("algo.max_gen_batches", a.max_gen_batches)
+    _positive("reward.overlong_buffer", cfg.reward.overlong_buffer, allow_zero=True)
+    _positive("reward.overlong_penalty", cfg.reward.overlong_penalty, allow_zero=True)
+    if cfg.reward.overlong_buffer > r.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer={cfg.reward.overlong_buffer} must be <= "
+            f"rollout.max_new_tokens={r.max_new_tokens} (the penalty zone ends at the cap)"
+        )
+    if a.dynamic_sampling == "refill" and a.adv_estimator not in ("grpo", "rloo"):
+        raise ConfigError(
+            f"algo.dynamic_sampling='refill' filters groups by their spread: algo.adv_estimator="
+            f"{a.adv_estimator!r} is not one of ['grpo', 'rloo']"
+        )
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={a.dual_clip!r} must be > 1 (or null to disable)")
     if a.norm_len is not None:

@@ -18,7 +18,6 @@ token statistics merged by token counts, so the logged numbers describe the glob
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -32,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlkit.batch import RolloutBatch
 from rlkit.config import RLConfig, to_dict
+from rlkit.rollout.producer import sampling_seed
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +103,6 @@ def learner_config(cfg: RLConfig):
     )
 
 
-def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
-    """Generation seed as a pure function of (seed, step, rank): an exact resume needs no engine RNG state."""
-    return (((seed * 1_000_003 + step) * 10_007 + rank) * 31 + salt) % (2**31 - 1)
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step in `run_dir/checkpoints` (temp dirs are ignored)."""
     root = Path(run_dir) / "checkpoints"
@@ -120,39 +114,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         if (m := CHECKPOINT_RE.match(p.name)) and (p / TRAINER_STATE).exists()
     ]
     return max(done)[1] if done else None
-
-
-def concat_rollouts(parts: list) -> RolloutBatch:
-    """Stack RolloutBatches of the same group size: prompts re-padded on the left, responses on the right."""
-    from rlkit.batch import RolloutBatch
-
-    P = max(b.prompt_ids.shape[1] for b in parts)
-    T = max(b.response_ids.shape[1] for b in parts)
-    pad_id = (
-        int(parts[0].prompt_ids[~parts[0].prompt_mask].flatten()[:1].sum())
-        if (~parts[0].prompt_mask).any()
-        else 0
-    )
-
-    def left(x, width, value):
-        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
-
-    def right(x, width, value):
-        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-    offsets = torch.tensor([0] + [b.num_samples // b.group_size for b in parts]).cumsum(0)
-    return RolloutBatch(
-        prompt_ids=torch.cat([left(b.prompt_ids, P, pad_id) for b in parts]),
-        prompt_mask=torch.cat([left(b.prompt_mask, P, False) for b in parts]),
-        response_ids=torch.cat([right(b.response_ids, T, pad_id) for b in parts]),
-        response_mask=torch.cat([right(b.response_mask, T, False) for b in parts]),
-        rollout_logprobs=torch.cat([right(b.rollout_logprobs, T, 0.0) for b in parts]),
-        finish_reasons=tuple(f for b in parts for f in b.finish_reasons),
-        group_index=torch.cat([b.group_index + off for b, off in zip(parts, offsets.tolist())]),
-        group_size=parts[0].group_size,
-        response_texts=tuple(t for b in parts for t in b.response_texts),
-        stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in ("gen_tokens", "gen_seconds")},
-    )
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -169,6 +130,7 @@ class Trainer:
         from rlkit.models import load_tokenizer
         from rlkit.rewards import RewardScorer
         from rlkit.rollout import make_engine
+        from rlkit.rollout.producer import Producer
 
         self.cfg = cfg
         t, r = cfg.trainer, cfg.rollout
@@ -211,6 +173,10 @@ class Trainer:
             seed=t.seed,
             **r.engine_kwargs,
         )
+        self.producer = Producer(
+            cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=self.rank, world=self.world,
+            device=self.device,
+        )  # fmt: skip
 
         self.step = 0
         self.wandb_id = None
@@ -258,34 +224,6 @@ class Trainer:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0):
-        """engine.generate, seeded so the samples are a pure function of (seed, step, rank).
-
-        With rollout.seed_per_prompt each prompt gets its own call seeded by its position in the global
-        batch (`first_prompt` + j), so the samples do not depend on the number of ranks.
-        """
-        if not self.cfg.rollout.seed_per_prompt:
-            return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
-        parts = [
-            self.engine.generate(
-                [p], n, dataclasses.replace(sampling, seed=sampling_seed(seed, 0, first_prompt + j))
-            )
-            for j, p in enumerate(prompts)
-        ]
-        return concat_rollouts(parts)
-
-    def _sampling(self, *, eval: bool = False):
-        from rlkit.rollout.base import Sampling
-
-        r = self.cfg.rollout
-        return Sampling(
-            temperature=r.eval_temperature if eval else r.temperature,
-            top_p=1.0 if eval else r.top_p,
-            top_k=0 if eval else r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            stop=tuple(r.stop),
-        )
-
     def train_step(self) -> dict[str, float]:
         """One step on this rank's share of the global batch; returns the global metrics (all ranks)."""
         from rlkit.algos import advantages as adv
@@ -299,30 +237,13 @@ class Trainer:
         timers = Timers()
         step_start = time.perf_counter()
 
-        # 1. generate: this rank's prompts of the global batch, whole groups only.
-        with timers("generate"):
-            indices = self.order.next(self.prompts_per_rank * self.world)
-            mine = indices[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
-            self.engine.wake()
-            rb = self._generate(
-                [self.train_prompts.token_ids[i] for i in mine],
-                G,
-                self._sampling(),
-                # Per-prompt seeds are derived from a rank-independent base (see _generate).
-                sampling_seed(cfg.trainer.seed, self.step, 0 if cfg.rollout.seed_per_prompt else self.rank),
-                first_prompt=self.rank * self.prompts_per_rank,
-            )
-            self.engine.sleep()
+        # 1-2. generate and reward (+ overlong shaping, dynamic sampling): rlkit/rollout/producer.py
+        produced = self.producer.produce(self.step, timers)
+        rb = produced.rollout
         mask = rb.response_mask.to(self.device).bool()
         rollout_logp = rb.rollout_logprobs.to(self.device).float()
-
-        # 2. reward
-        with timers("reward"):
-            texts = [self.train_prompts.texts[i] for i in mine for _ in range(G)]
-            answers = [self.train_prompts.answers[i] for i in mine for _ in range(G)]
-            scores = self.scorer.score(texts, list(rb.response_texts), answers)
-            rewards = torch.tensor(scores.total, dtype=torch.float32, device=self.device)
-            correct = torch.tensor(scores.per_fn["math"], dtype=torch.float32, device=self.device)
+        rewards = produced.rewards.to(self.device)
+        correct = produced.per_fn["math"].to(self.device)
 
         # 3. log-probs. The whole batch needs the current policy's log-probs when the update uses them
         # (IS weights, the off-policy ratio's denominator, the KL to the reference, the critic's
@@ -373,6 +294,10 @@ class Trainer:
                     stats = self._sum(adv.masked_moments(discounted, mask)) if self.world > 1 else None
                     advantages = adv.whiten(discounted, mask, moments=stats)
             loss_mask = mask & ~zero_std[:, None] if a.mask_zero_std_groups else mask
+            if a.overlong_filter:
+                # Responses cut by the length cap leave the loss (their reward judges an unfinished answer).
+                cut = torch.tensor([f == "length" for f in rb.finish_reasons], device=self.device)
+                loss_mask = loss_mask & ~cut[:, None]
 
         # 5. rollout correction (engine vs learner mismatch)
         with timers("correction"):
@@ -429,12 +354,13 @@ class Trainer:
             "response_length/mean": lengths.mean(),
             "response_length/max": lengths.max(),
             "response_length/clip_ratio": self._gather(clipped).mean(),
-            "reward/errors": self._sum(torch.tensor([float(scores.errors)], device=self.device))[0],
-            "reward/timeouts": self._sum(torch.tensor([float(scores.timeouts)], device=self.device))[0],
+            "reward/errors": self._sum(torch.tensor([float(produced.errors)], device=self.device))[0],
+            "reward/timeouts": self._sum(torch.tensor([float(produced.timeouts)], device=self.device))[0],
         }
-        for name, values in scores.per_fn.items():
+        for name, values in produced.per_fn.items():
             short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn
-            stats[f"reward/{short}"] = self._gather(torch.tensor(values, device=self.device)).mean()
+            stats[f"reward/{short}"] = self._gather(values.to(self.device)).mean()
+        stats.update(produced.stats)
         stats.update(token_metrics.compute())
         stats.update(update_metrics)
         # The one host sync of the step.
@@ -473,12 +399,10 @@ class Trainer:
         mine = list(range(self.rank, len(self.eval_prompts), self.world))
         sums = torch.zeros(3, device=self.device)  # correct samples, samples, prompts with any correct
         if mine:
-            self.engine.wake()
-            rb = self._generate(
-                [self.eval_prompts.token_ids[i] for i in mine], k, self._sampling(eval=True),
+            rb = self.producer.generate(
+                [self.eval_prompts.token_ids[i] for i in mine], k, self.producer.sampling(eval=True),
                 sampling_seed(self.cfg.trainer.seed, self.step, self.rank, salt=1),
             )  # fmt: skip
-            self.engine.sleep()
             texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
             answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
             correct = torch.tensor(

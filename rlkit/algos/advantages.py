@@ -23,6 +23,7 @@ __all__ = [
     "gae",
     "kl_shaped_rewards",
     "zero_std_groups",
+    "overlong_penalty",
 ]
 
 
@@ -220,3 +221,25 @@ def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
         return torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)
     same = (r == r[:, :1]).all(dim=1, keepdim=True)
     return same.expand_as(r).reshape(-1)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), one value per sample.
+
+    0 while a response has at most `max_len - buffer` tokens, then falls linearly to `-penalty` at
+    `max_len` tokens (and stays there beyond): `-penalty * min(1, (L - (max_len - buffer)) / buffer)`.
+
+    Args:
+        lengths: [N] response lengths in tokens (any numeric dtype).
+        max_len: the generation cap (rollout.max_new_tokens).
+        buffer: length of the linear zone before the cap, 1 <= buffer <= max_len.
+        penalty: the penalty at the cap, >= 0.
+    Returns:
+        [N] float32 (a new tensor; <= 0).
+    """
+    if not isinstance(buffer, int) or isinstance(buffer, bool) or not 1 <= buffer <= max_len:
+        raise ValueError(f"buffer={buffer!r} is not valid; it must be an integer in [1, max_len={max_len}]")
+    if penalty < 0:
+        raise ValueError(f"penalty={penalty!r} is not valid; it must be >= 0")
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0) / buffer
+    return -penalty * over.clamp(max=1.0)

@@ -18,3 +18,19 @@ def hanging(prompt, response, answer):
 def length(prompt, response, answer):
     """A reward that varies with the response, so a random tiny model gets non-zero advantages."""
     return len(response) % 7 / 7.0
+
+
+def _gold(answer):
+    return int(answer.split("####")[-1].strip().replace(",", ""))
+
+
+def parity(prompt, response, answer):
+    """No spread for a problem with an even answer (always 0.5); response-dependent for an odd one."""
+    if _gold(answer) % 2 == 0:
+        return 0.5
+    return len(response) % 7 / 7.0
+
+
+def constant(prompt, response, answer):
+    """No group ever has spread."""
+    return 0.25

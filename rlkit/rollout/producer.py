@@ -1,0 +1,292 @@
+"""Rollout production, the first half of a step: prompts -> scored groups.
+
+    draw prompts -> engine.generate (whole groups per rank) -> rewards (worker processes)
+    -> overlong shaping -> dynamic sampling (drop groups without signal, refill from new prompts)
+
+The learning half (log-probs, advantages, correction, update, push) only ever sees a `ScoredBatch`.
+
+Dynamic sampling (`algo.dynamic_sampling=refill`, DAPO, Yu et al. 2025, arXiv:2503.14476 sec. 3.2):
+a group whose `algo.filter_metric` has no spread teaches GRPO nothing, so it is dropped and more
+prompts are drawn and generated, up to `algo.max_gen_batches` generation batches per step, until the
+global batch holds `trainer.train_batch_size` samples of informative groups. Kept groups are taken
+in global prompt order (generation batch, then rank, then prompt), so the choice does not depend on
+the number of ranks; with several ranks they are exchanged so every rank trains on an equal share.
+If the bound is reached first, the batch is completed with dropped groups (they carry no policy
+gradient: their advantages are 0 and `algo.mask_zero_std_groups` masks them) and a warning is logged.
+Every drawn prompt advances the data order, so a checkpoint records each prompt consumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlkit.batch import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """This rank's share of a step's scored groups (whole groups, contiguous)."""
+
+    rollout: RolloutBatch
+    rewards: Tensor
+    """[N] float32 total reward (weighted reward functions + overlong penalty): what advantages use."""
+    per_fn: dict[str, Tensor]
+    """[N] float32 per reward term: each reward function's raw value, and `overlong` when it is on."""
+    errors: int
+    """Reward calls that raised, hung or returned a non-number on this rank (all generation batches)."""
+    timeouts: int
+    """Of those, the ones that timed out."""
+    stats: dict[str, float]
+    """`dynamic/gen_batches`, `dynamic/kept_frac` (global, refill mode only)."""
+    policy_version: int
+    """The trainer step whose weights generated these samples."""
+
+
+def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
+    """Generation seed as a pure function of (seed, step, rank): an exact resume needs no engine RNG state."""
+    return (((seed * 1_000_003 + step) * 10_007 + rank) * 31 + salt) % (2**31 - 1)
+
+
+def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Stack RolloutBatches of the same group size: prompts re-padded on the left, responses on the right."""
+    P = max(b.prompt_ids.shape[1] for b in parts)
+    T = max(b.response_ids.shape[1] for b in parts)
+    # The pad id never matters (it is masked); reuse one from the padding when there is any.
+    pads = [b.prompt_ids[~b.prompt_mask] for b in parts]
+    pad_id = next((int(p[0]) for p in pads if p.numel()), 0)
+
+    def left(x, width, value):
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x, width, value):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    offsets = torch.tensor([0] + [b.num_samples // b.group_size for b in parts]).cumsum(0)
+    return RolloutBatch(
+        prompt_ids=torch.cat([left(b.prompt_ids, P, pad_id) for b in parts]),
+        prompt_mask=torch.cat([left(b.prompt_mask, P, False) for b in parts]),
+        response_ids=torch.cat([right(b.response_ids, T, pad_id) for b in parts]),
+        response_mask=torch.cat([right(b.response_mask, T, False) for b in parts]),
+        rollout_logprobs=torch.cat([right(b.rollout_logprobs, T, 0.0) for b in parts]),
+        finish_reasons=tuple(f for b in parts for f in b.finish_reasons),
+        group_index=torch.cat([b.group_index + off for b, off in zip(parts, offsets.tolist())]),
+        group_size=parts[0].group_size,
+        response_texts=tuple(t for b in parts for t in b.response_texts),
+        stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in ("gen_tokens", "gen_seconds")},
+    )
+
+
+def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
+    """The rows of groups `groups` (in that order), renumbered 0..len(groups)-1."""
+    G = rb.group_size
+    rows = [g * G + j for g in groups for j in range(G)]
+    idx = torch.tensor(rows, dtype=torch.long)
+    return RolloutBatch(
+        prompt_ids=rb.prompt_ids[idx],
+        prompt_mask=rb.prompt_mask[idx],
+        response_ids=rb.response_ids[idx],
+        response_mask=rb.response_mask[idx],
+        rollout_logprobs=rb.rollout_logprobs[idx],
+        finish_reasons=tuple(rb.finish_reasons[i] for i in rows),
+        group_index=torch.arange(len(rows)) // G,
+        group_size=G,
+        response_texts=tuple(rb.response_texts[i] for i in rows) if rb.response_texts else (),
+        stats={},
+    )
+
+
+def informative_groups(metric: Tensor, group_size: int) -> Tensor:
+    """[N / G] bool: the groups whose `metric` is not the same for all their samples."""
+    from rlkit.algos.advantages import zero_std_groups
+
+    return ~zero_std_groups(metric, group_size).reshape(-1, group_size)[:, 0]
+
+
+def select_groups(keep: list[Tensor], needed: int) -> list[tuple[int, int]]:
+    """(generation batch, global group) of the `needed` groups a step trains on.
+
+    `keep[b]` is the global [groups] bool of generation batch b. Kept groups come first, in order;
+    if there are fewer than `needed`, the earliest dropped groups complete the batch.
+    """
+    order = [(b, g) for b, k in enumerate(keep) for g in range(k.numel())]
+    flags = torch.cat(keep).tolist() if keep else []
+    kept = [pos for pos, f in zip(order, flags) if f]
+    dropped = [pos for pos, f in zip(order, flags) if not f]
+    return (kept + dropped)[:needed]
+
+
+class Producer:
+    """Produces this rank's `ScoredBatch` of every step (sync mode: called by the trainer's step)."""
+
+    def __init__(self, cfg, engine, scorer, prompts, order, *, rank: int, world: int, device=None):
+        self.cfg = cfg
+        self.engine = engine
+        self.scorer = scorer
+        self.prompts = prompts
+        self.order = order
+        self.rank, self.world = rank, world
+        self.device = device if device is not None else torch.device("cpu")  # for collectives (NCCL: GPU)
+        self.group_size = cfg.rollout.group_size
+        self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def sampling(self, *, eval: bool = False):
+        from rlkit.rollout.base import Sampling
+
+        r = self.cfg.rollout
+        return Sampling(
+            temperature=r.eval_temperature if eval else r.temperature,
+            top_p=1.0 if eval else r.top_p,
+            top_k=0 if eval else r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop=tuple(r.stop),
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0):
+        """engine.generate, seeded so the samples are a pure function of (seed, step, rank).
+
+        With rollout.seed_per_prompt each prompt gets its own call seeded by its position in the global
+        batch (`first_prompt` + j), so the samples do not depend on the number of ranks.
+        """
+        self.engine.wake()
+        try:
+            if not self.cfg.rollout.seed_per_prompt:
+                return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+            parts = [
+                self.engine.generate(
+                    [p], n, dataclasses.replace(sampling, seed=sampling_seed(seed, 0, first_prompt + j))
+                )
+                for j, p in enumerate(prompts)
+            ]
+            return concat_rollouts(parts)
+        finally:
+            self.engine.sleep()
+
+    # -- one generation batch --------------------------------------------------------------------
+
+    def _generate_and_score(self, step: int, gen_batch: int, timers) -> dict:
+        """Draw the next global batch of prompts, generate this rank's share, score it."""
+        cfg, G, ppr = self.cfg, self.group_size, self.prompts_per_rank
+        with timers("generate"):
+            indices = self.order.next(ppr * self.world)
+            mine = indices[self.rank * ppr : (self.rank + 1) * ppr]
+            # Refill batches get their own seeds; batch 0 keeps the seed of a step without refill.
+            salt = 0 if gen_batch == 0 else 1000 + gen_batch
+            rb = self.generate(
+                [self.prompts.token_ids[i] for i in mine],
+                G,
+                self.sampling(),
+                # Per-prompt seeds are derived from a rank-independent base (see generate).
+                sampling_seed(cfg.trainer.seed, step, 0 if cfg.rollout.seed_per_prompt else self.rank, salt),
+                first_prompt=self.rank * ppr,
+            )
+        with timers("reward"):
+            texts = [self.prompts.texts[i] for i in mine for _ in range(G)]
+            answers = [self.prompts.answers[i] for i in mine for _ in range(G)]
+            scores = self.scorer.score(texts, list(rb.response_texts), answers)
+            per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in scores.per_fn.items()}
+            rewards = torch.tensor(scores.total, dtype=torch.float32)
+            rw = cfg.reward
+            if rw.overlong_buffer > 0:
+                from rlkit.algos.advantages import overlong_penalty
+
+                penalty = overlong_penalty(
+                    rb.response_lengths, cfg.rollout.max_new_tokens, rw.overlong_buffer, rw.overlong_penalty
+                )
+                per_fn["overlong"] = penalty
+                rewards = rewards + penalty
+        return {
+            "rollout": rb,
+            "rewards": rewards,
+            "per_fn": per_fn,
+            "errors": scores.errors,
+            "timeouts": scores.timeouts,
+        }
+
+    # -- a step's scored batch -------------------------------------------------------------------
+
+    def produce(self, step: int, timers) -> ScoredBatch:
+        a = self.cfg.algo
+        if a.dynamic_sampling == "off":
+            piece = self._generate_and_score(step, 0, timers)
+            return ScoredBatch(**piece, stats={}, policy_version=step)
+
+        G, ppr = self.group_size, self.prompts_per_rank
+        needed = ppr * self.world
+        pieces, keep = [], []
+        for b in range(a.max_gen_batches):
+            piece = self._generate_and_score(step, b, timers)
+            metric = piece["rewards"] if a.filter_metric == "reward" else piece["per_fn"]["math"]
+            with timers("filter"):
+                keep.append(self._gather(informative_groups(metric, G)))
+                pieces.append(piece)
+                if int(sum(int(k.sum()) for k in keep)) >= needed:
+                    break
+        kept = int(sum(int(k.sum()) for k in keep))
+        generated = sum(k.numel() for k in keep)
+        if kept < needed:
+            log.warning(
+                "dynamic sampling: %d of %d groups with signal after algo.max_gen_batches=%d generation "
+                "batches; training on them plus %d groups without signal (masked out of the loss)",
+                kept, needed, a.max_gen_batches, needed - kept,
+            )  # fmt: skip
+        with timers("filter"):
+            chosen = select_groups(keep, needed)[self.rank * ppr : (self.rank + 1) * ppr]
+            scored = self._assemble(pieces, chosen)
+        stats = {"dynamic/gen_batches": float(len(keep)), "dynamic/kept_frac": kept / max(generated, 1)}
+        return dataclasses.replace(scored, stats=stats, policy_version=step)
+
+    def _assemble(self, pieces: list[dict], chosen: list[tuple[int, int]]) -> ScoredBatch:
+        """This rank's ScoredBatch of the chosen (generation batch, global group) pairs.
+
+        Global group g of a batch was generated by rank g // prompts_per_rank; with several ranks every
+        rank's pieces are exchanged first (small CPU tensors and strings).
+        """
+        ppr = self.prompts_per_rank
+        errors = sum(p["errors"] for p in pieces)
+        timeouts = sum(p["timeouts"] for p in pieces)
+        stats = {
+            k: sum(p["rollout"].stats.get(k, 0.0) for p in pieces) for k in ("gen_tokens", "gen_seconds")
+        }
+        shared = [[dict(p, errors=0, timeouts=0) for p in pieces]]
+        if self.world > 1:
+            shared = [None] * self.world
+            dist.all_gather_object(shared, [dict(p, errors=0, timeouts=0) for p in pieces])
+        parts, rewards, per_fn = [], [], {k: [] for k in pieces[0]["per_fn"]}
+        for b, g in chosen:
+            owner, local = divmod(g, ppr)
+            piece = shared[owner][b]
+            parts.append(take_groups(piece["rollout"], [local]))
+            rows = slice(local * self.group_size, (local + 1) * self.group_size)
+            rewards.append(piece["rewards"][rows])
+            for k in per_fn:
+                per_fn[k].append(piece["per_fn"][k][rows])
+        rb = concat_rollouts(parts)
+        rb.stats.update(stats)  # what this rank generated, for throughput
+        return ScoredBatch(
+            rollout=rb,
+            rewards=torch.cat(rewards),
+            per_fn={k: torch.cat(v) for k, v in per_fn.items()},
+            errors=errors,
+            timeouts=timeouts,
+            stats={},
+            policy_version=-1,
+        )
+
+    def _gather(self, x: Tensor) -> Tensor:
+        """Concatenate a per-rank [n] CPU tensor over ranks (same n on every rank), in rank order."""
+        if self.world == 1:
+            return x
+        x = x.to(self.device).contiguous()
+        out = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(out, x)
+        return torch.cat(out).cpu()

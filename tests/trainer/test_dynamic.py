@@ -1,0 +1,186 @@
+# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+"""Dynamic sampling (refill), overlong filter and soft overlong penalty, end to end on a tiny model.
+
+Expected values come from the data alone: with the `parity` reward a group has spread exactly when its
+problem's answer is odd, so which prompts a step must draw, and what share of groups it keeps, follow
+from the prompt order and the answers, computed here without the producer's code."""
+
+import logging
+
+import pytest
+import torch
+from test_e2e import overrides, tiny, train  # noqa: F401  (tiny: the shared model fixture)
+
+from rlkit.algos.advantages import overlong_penalty
+from rlkit.config import load_config
+from rlkit.data import PromptOrder
+from rlkit.rollout.producer import informative_groups, select_groups
+from rlkit.train import compose
+from rlkit.trainer import Trainer, latest_checkpoint
+
+REFILL = ["algo.dynamic_sampling=refill", "algo.filter_metric=reward", "reward.fn=rlkit_test_rewards:parity"]
+
+
+def test_select_groups_takes_kept_groups_in_order_then_completes_with_dropped():
+    keep = [torch.tensor([False, True, False]), torch.tensor([True, False, True])]
+    assert select_groups(keep, 2) == [(0, 1), (1, 0)]
+    assert select_groups(keep, 3) == [(0, 1), (1, 0), (1, 2)]
+    # Only three kept: the earliest dropped groups complete the batch.
+    assert select_groups(keep, 5) == [(0, 1), (1, 0), (1, 2), (0, 0), (0, 2)]
+
+
+def test_informative_groups_by_hand():
+    metric = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    assert informative_groups(metric, 2).tolist() == [False, True, False]
+    assert informative_groups(metric, 3).tolist() == [True, True]
+
+
+def test_overlong_penalty_by_hand_and_naive_loop():
+    lengths = torch.tensor([0, 6, 7, 8, 9, 10, 12])
+    # max_len 10, buffer 4: zone (6, 10]; L=7 -> -1/4, 8 -> -2/4, 9 -> -3/4, 10 -> -1, above the cap stays -1.
+    got = overlong_penalty(lengths, 10, 4, penalty=2.0)
+    assert got.tolist() == [0.0, 0.0, -0.5, -1.0, -1.5, -2.0, -2.0]
+    for L, v in zip(lengths.tolist(), got.tolist()):
+        expected = 0.0 if L <= 6 else -2.0 * min(1.0, (L - 6) / 4)
+        assert v == pytest.approx(expected)
+    assert lengths.tolist() == [0, 6, 7, 8, 9, 10, 12]  # input untouched
+    with pytest.raises(ValueError, match="buffer=0"):
+        overlong_penalty(lengths, 10, 0)
+    with pytest.raises(ValueError, match="buffer=11"):
+        overlong_penalty(lengths, 10, 11)
+
+
+def _expected_refill(answers, seed, prompts_per_batch, needed, max_batches):
+    """(generation batches, kept fraction, prompts consumed) of one step, from the answers' parity."""
+    order = PromptOrder(len(answers), seed=seed)
+    kept = drawn = batches = 0
+    while batches < max_batches and kept < needed:
+        idx = order.next(prompts_per_batch)
+        batches += 1
+        drawn += len(idx)
+        kept += sum(int(answers[i].split("####")[-1]) % 2 for i in idx)
+    return batches, kept / drawn, order.position
+
+
+@pytest.mark.parametrize("max_batches", [8, 1])
+def test_refill_fills_the_batch_with_informative_groups_or_trains_on_what_there_is(
+    tiny, tmp_path, max_batches, caplog
+):
+    cfg = load_config(
+        compose(
+            overrides(tiny, tmp_path / "r", *REFILL, "trainer.steps=1", f"algo.max_gen_batches={max_batches}")
+        )
+    )
+    trainer = Trainer(cfg)
+    try:
+        answers = list(trainer.train_prompts.answers)
+        batches, kept_frac, position = _expected_refill(answers, cfg.trainer.seed, 2, 2, max_batches)
+        with caplog.at_level(logging.WARNING):
+            (m,) = trainer.train()
+        assert trainer.order.position == position  # every drawn prompt is consumed
+    finally:
+        trainer.close()
+    assert m["dynamic/gen_batches"] == batches
+    assert m["dynamic/kept_frac"] == pytest.approx(kept_frac)
+    enough = kept_frac * batches * 2 >= 2
+    if max_batches == 8:
+        assert enough and m["frac_reward_zero_std"] == 0.0  # every trained group has signal
+    else:
+        assert batches == 1
+        assert ("dynamic sampling" in caplog.text) == (not enough)
+
+
+def test_no_signal_anywhere_hits_the_bound_and_still_trains(tiny, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        (m,) = train(
+            tiny, tmp_path / "c", "algo.dynamic_sampling=refill", "algo.max_gen_batches=3",
+            "reward.fn=rlkit_test_rewards:constant", "trainer.steps=1",
+        )  # fmt: skip
+    assert m["dynamic/gen_batches"] == 3 and m["dynamic/kept_frac"] == 0.0
+    assert m["frac_reward_zero_std"] == 1.0 and m["grad_norm"] == 0.0
+    assert "0 of 2 groups with signal" in caplog.text
+
+
+def test_refill_resumes_exactly(tiny, tmp_path):
+    extra = [*REFILL, "algo.max_gen_batches=3"]
+    straight = train(tiny, tmp_path / "a", "trainer.steps=4", *extra)
+    first = train(tiny, tmp_path / "b", "trainer.steps=2", *extra)
+    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto", *extra)
+    keys = ["reward/mean", "loss/total", "grad_norm", "dynamic/gen_batches", "dynamic/kept_frac"]
+    for want, got in zip(straight, first + second, strict=True):
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    assert latest_checkpoint(tmp_path / "b").name == "step_4"
+
+
+def test_overlong_filter_and_penalty(tiny, tmp_path):
+    # 12 new tokens at most; the tiny random model rarely emits EOS, so most responses are cut.
+    cfg = load_config(
+        compose(
+            overrides(
+                tiny,
+                tmp_path / "o",
+                "trainer.steps=1",
+                "algo.overlong_filter=true",
+                "reward.overlong_buffer=4",
+                "reward.overlong_penalty=0.5",
+            )  # fmt: skip
+        )
+    )
+    trainer = Trainer(cfg)
+    seen = {}
+    real_update = trainer.learner.update
+
+    def spy(batch):
+        seen["mask"] = batch.response_mask.clone()
+        return real_update(batch)
+
+    trainer.learner.update = spy
+    real_produce = trainer.producer.produce
+
+    def spy_produce(step, timers):
+        seen["scored"] = real_produce(step, timers)
+        return seen["scored"]
+
+    trainer.producer.produce = spy_produce
+    try:
+        (m,) = trainer.train()
+    finally:
+        trainer.close()
+    scored = seen["scored"]
+    rb = scored.rollout
+    lengths = rb.response_mask.sum(-1).tolist()
+    # By hand: 0 up to 8 tokens, then -0.5 * (L - 8) / 4.
+    want = [0.0 if L <= 8 else -0.5 * (L - 8) / 4 for L in lengths]
+    assert scored.per_fn["overlong"].tolist() == pytest.approx(want)
+    base = torch.tensor([len(t) % 7 / 7.0 for t in rb.response_texts])
+    assert scored.rewards.tolist() == pytest.approx((base + torch.tensor(want)).tolist())
+    assert m["reward/overlong"] == pytest.approx(sum(want) / len(want))
+    cut = [f == "length" for f in rb.finish_reasons]
+    assert any(cut)
+    for row, is_cut in enumerate(cut):
+        assert bool(seen["mask"][row].any()) == (not is_cut)
+
+
+def test_refill_two_processes_equal_one(tiny, tmp_path):
+    """The global batch is filled in global prompt order and split evenly: 2 ranks train on exactly the
+    groups 1 rank trains on (per-prompt seeds make the samples independent of the rank count)."""
+    from test_e2e import _launch, read_jsonl
+
+    from rlkit.config import REPO_ROOT
+
+    def args(run_dir, *extra):
+        common = overrides(tiny, run_dir, "rollout.seed_per_prompt=true", *REFILL, "algo.max_gen_batches=3")
+        return [*common, "trainer.eval_at_start=false", *extra]
+
+    _launch(REPO_ROOT, *args(tmp_path / "one"))
+    _launch(REPO_ROOT, *args(tmp_path / "two", "trainer.num_processes=2"))
+    m1, m2 = read_jsonl(tmp_path / "one/metrics.jsonl"), read_jsonl(tmp_path / "two/metrics.jsonl")
+    assert len(m1) == len(m2) == 2
+    keys = ["reward/mean", "reward/std", "frac_reward_zero_std", "loss/total", "grad_norm", "mismatch/kl"]
+    for a, b in zip(m1, m2):
+        assert b["dynamic/gen_batches"] == a["dynamic/gen_batches"]
+        assert b["dynamic/kept_frac"] == pytest.approx(a["dynamic/kept_frac"])
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    assert any(m["dynamic/gen_batches"] > 1 for m in m1)  # a refill really happened
