@@ -206,6 +206,13 @@ class RewardConfig:
     """A reward call running longer than this yields 0 and counts in `reward/errors`."""
     num_workers: int = 2
     """Reward worker processes (isolated so a hanging function can be killed)."""
+    model: Optional[str] = None
+    """A sequence-classification reward model (hub id or local dir, one output) scoring each response in
+    the conversation the policy saw; null = none."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the total reward (logged as `reward/model`)."""
+    model_batch_size: int = 16
+    """Sequences per reward-model forward pass."""
     overlong_buffer: int = 0
     """DAPO soft overlong penalty: the last this many tokens before rollout.max_new_tokens (0 = off)."""
     overlong_penalty: float = 1.0
@@ -380,6 +387,11 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)
     _choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
     _positive("algo.max_gen_batches", a.max_gen_batches)
+    _positive("reward.model_batch_size", cfg.reward.model_batch_size)
+    if cfg.reward.model is not None and not cfg.reward.model.strip():
+        raise ConfigError(
+            "reward.model='' is not a model: give a hub id or local directory, or null for none"
+        )
     _positive("reward.overlong_buffer", cfg.reward.overlong_buffer, allow_zero=True)
     _positive("reward.overlong_penalty", cfg.reward.overlong_penalty, allow_zero=True)
     if cfg.reward.overlong_buffer > r.max_new_tokens:

@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -182,22 +182,31 @@ class PromptSet:
     token_ids: list[list[int]]
     texts: list[str]
     answers: list[str]
+    messages: list[list[dict]] = field(default_factory=list)
+    """The chat messages of each prompt (system + user), before any template: a reward model renders
+    them with its own chat template."""
+    rows: list[dict] = field(default_factory=list)
+    """Every column of each prompt's dataset row."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
+def prompt_messages(question: str, cfg: DataConfig) -> list[dict]:
+    """The chat messages of one question: the optional system prompt, then the question + instruction."""
+    user = f"{question}\n{cfg.instruction}" if cfg.instruction else question
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return [*system, {"role": "user", "content": user}]
+
+
 def render_prompt(question: str, tokenizer, cfg: DataConfig) -> tuple[str, list[int]]:
     """Prompt text and token ids for one question (chat template, or the plain template as fallback)."""
-    user = f"{question}\n{cfg.instruction}" if cfg.instruction else question
+    messages = prompt_messages(question, cfg)
     if cfg.template == "chat" and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
-            {"role": "user", "content": user}
-        ]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already contains BOS where the model wants it.
         return text, tokenizer(text, add_special_tokens=False).input_ids
-    text = f"Question: {user}\nAnswer:"
+    text = f"Question: {messages[-1]['content']}\nAnswer:"
     return text, tokenizer(text).input_ids
 
 
@@ -205,7 +214,7 @@ def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -
     """Template and tokenise every row; drop prompts over `cfg.max_prompt_tokens` (count logged)."""
     if cfg.template == "chat" and not getattr(tokenizer, "chat_template", None):
         log.warning("data.template='chat' but the tokenizer has no chat template: using the plain template")
-    ids, texts, answers = [], [], []
+    ids, texts, answers, messages, rows = [], [], [], [], []
     dropped = 0
     for row in dataset:
         text, tok = render_prompt(row[cfg.prompt_key], tokenizer, cfg)
@@ -215,6 +224,8 @@ def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -
         ids.append(tok)
         texts.append(text)
         answers.append(str(row[cfg.answer_key]))
+        messages.append(prompt_messages(row[cfg.prompt_key], cfg))
+        rows.append(dict(row))
     log.info(
         "%s prompts: %d kept, %d dropped (longer than data.max_prompt_tokens=%d)",
         name,
@@ -224,7 +235,7 @@ def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -
     )
     if not ids:
         raise ValueError(f"no {name} prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens}")
-    return PromptSet(ids, texts, answers)
+    return PromptSet(ids, texts, answers, messages, rows)
 
 
 class PromptOrder:

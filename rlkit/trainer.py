@@ -173,9 +173,17 @@ class Trainer:
             seed=t.seed,
             **r.engine_kwargs,
         )
+        reward_model = None
+        if cfg.reward.model is not None:
+            from rlkit.reward_model import RewardModel
+
+            reward_model = RewardModel(
+                cfg.reward.model, device=self.device, batch_size=cfg.reward.model_batch_size,
+                dtype=self.learner.compute_dtype,
+            )  # fmt: skip
         self.producer = Producer(
             cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=self.rank, world=self.world,
-            device=self.device,
+            device=self.device, reward_model=reward_model,
         )  # fmt: skip
 
         self.step = 0

@@ -126,7 +126,9 @@ def select_groups(keep: list[Tensor], needed: int) -> list[tuple[int, int]]:
 class Producer:
     """Produces this rank's `ScoredBatch` of every step (sync mode: called by the trainer's step)."""
 
-    def __init__(self, cfg, engine, scorer, prompts, order, *, rank: int, world: int, device=None):
+    def __init__(
+        self, cfg, engine, scorer, prompts, order, *, rank: int, world: int, device=None, reward_model=None
+    ):
         self.cfg = cfg
         self.engine = engine
         self.scorer = scorer
@@ -134,6 +136,7 @@ class Producer:
         self.order = order
         self.rank, self.world = rank, world
         self.device = device if device is not None else torch.device("cpu")  # for collectives (NCCL: GPU)
+        self.reward_model = reward_model
         self.group_size = cfg.rollout.group_size
         self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
 
@@ -196,6 +199,12 @@ class Producer:
             per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in scores.per_fn.items()}
             rewards = torch.tensor(scores.total, dtype=torch.float32)
             rw = cfg.reward
+            if self.reward_model is not None:
+                score = self.reward_model.score(
+                    [self.prompts.messages[i] for i in mine for _ in range(G)], list(rb.response_texts)
+                )
+                per_fn["model"] = score
+                rewards = rewards + rw.model_weight * score
             if rw.overlong_buffer > 0:
                 from rlkit.algos.advantages import overlong_penalty
 
