@@ -89,12 +89,10 @@ def test_reward_model_score_joins_the_rule_reward_with_its_weight(tiny, tmp_path
     )
     last = tok(text, add_special_tokens=False).input_ids[-1]
     e, g, w = (
-        t.double()
+        t.detach().double()
         for t in (model.model.embed_tokens.weight[last], model.model.norm.weight, model.score.weight[0])
     )
     c = float((w * g * e / torch.sqrt((e * e).mean() + model.config.rms_norm_eps)).sum())
-    (m,) = train(
-        tiny, tmp_path / "run", "trainer.steps=1", f"+reward.model={path}", "reward.model_weight=0.5"
-    )
+    (m,) = train(tiny, tmp_path / "run", "trainer.steps=1", f"reward.model={path}", "reward.model_weight=0.5")
     assert m["reward/model"] == pytest.approx(c, abs=1e-5)
     assert m["reward/mean"] == pytest.approx(m["reward/length"] + 0.5 * c, abs=1e-5)
