@@ -3,8 +3,8 @@
 A reward function is `fn(prompt: str, response: str, answer: str) -> float`. Built-ins are registered by
 name (`math`, `format`); any other function is addressed by import path (`my_module:my_fn` or
 `my_module.my_fn`). Functions run in worker processes with a per-call timeout: one that raises, returns
-a non-number or hangs yields 0 for that sample and is counted in `reward/errors` (plus
-`reward/timeouts`); the run never crashes or hangs because of a reward.
+a non-number, hangs or kills its process (os._exit, a segfault) yields 0 for that sample and is counted
+in `reward/errors` (plus `reward/timeouts`); the run never crashes or hangs because of a reward.
 
 This module imports nothing heavy at import time: worker processes load it (spawn) in about a second.
 """
@@ -16,8 +16,10 @@ import importlib
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,6 +105,66 @@ def _init_worker() -> None:
     import math_verify  # noqa: F401  (sympy takes a second or two to import)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel SIGKILLs this process when its parent dies, so no worker outlives the trainer."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: an idle worker still exits when its pipe closes (EOF)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _worker_main(conn, parent_pid: int) -> None:
+    """A reward worker: one private pipe to the trainer, no lock shared with any other process.
+
+    It ignores SIGINT / SIGTERM: a signal sent to the whole process group (Ctrl-C, `timeout`, Slurm,
+    systemd) is the trainer's to handle; the trainer finishes its step with intact rewards and then kills
+    its workers. It exits when the trainer closes the pipe and is killed by the kernel when the trainer dies.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    _init_worker()
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        conn.send(_call(*task))
+
+
+class _Worker:
+    """One worker process and its pipe; `task` is the (name, index) it is running, `deadline` its limit."""
+
+    def __init__(self, ctx, start_timeout_s: float):
+        import os
+
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.task: tuple[str, int] | None = None
+        self.deadline = time.monotonic() + start_timeout_s  # to start, then per task
+
+    def kill(self) -> None:
+        """SIGKILL and reap: never waits on anything the worker holds (a stopped or hung worker dies too)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
 @dataclass
 class Scores:
     """Rewards of one batch: `total[i]` = fn + sum(weight * extra); `per_fn[name][i]`; error counts."""
@@ -142,27 +204,19 @@ class RewardScorer:
             resolve(name)  # fail at start-up on a bad name, not in a worker
         self.timeout_s = timeout_s
         self.num_workers = num_workers
-        self._pool = None
+        self.start_timeout_s = max(120.0, timeout_s)
+        self._workers: list[_Worker] = []
+        self._start_failures = 0
+        self._ctx = mp.get_context("spawn")  # no fork of a process holding torch threads / CUDA
 
-    def _get_pool(self):
-        if self._pool is None:
-            # spawn: no fork of a process holding torch threads / CUDA; workers import only this module.
-            self._pool = mp.get_context("spawn").Pool(self.num_workers, initializer=_init_worker)
-            # Wait until the workers have started and imported math-verify, so that start-up time is
-            # not charged to the first reward call's timeout.
-            warm = [self._pool.apply_async(time.sleep, (0.2,)) for _ in range(self.num_workers)]
-            for h in warm:
-                h.get(timeout=max(120.0, self.timeout_s))
-        return self._pool
-
-    def _kill_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self.start_timeout_s)
 
     def close(self) -> None:
-        self._kill_pool()
+        """Kill the workers (they are stateless); safe to call twice, never blocks on a worker."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.kill()
 
     def score(
         self,
@@ -172,48 +226,76 @@ class RewardScorer:
         *,
         only: Sequence[str] | None = None,
     ) -> Scores:
-        """Score N samples (with the functions in `only`, default all). Calls finish in submission order;
-        a call gets `timeout_s` from the moment every earlier call is done (so it is already running),
-        which keeps the limit per call."""
+        """Score N samples (with the functions in `only`, default all).
+
+        Each call runs on an idle worker and gets `timeout_s` from the moment it is sent there (worker
+        start-up is not charged to it). A call over its limit scores 0 and its worker is killed and
+        replaced; a worker that dies (crash, segfault, OOM killer, kill -9) is seen at once through its
+        process sentinel, and its call scores 0 and counts in `errors`. Workers share no lock or queue, so
+        a dead worker can never block the others or `close()`.
+        """
         weights = {k: w for k, w in self.weights.items() if only is None or k in only}
-        tasks = [(name, i) for name in weights for i in range(len(responses))]
+        queue = deque((name, i) for name in weights for i in range(len(responses)))
         results: dict[tuple[str, int], float] = {}
         errors = timeouts = 0
-        pending = list(tasks)
-        while pending:
-            pool = self._get_pool()
-            handles = [
-                (t, pool.apply_async(_call, (t[0], prompts[t[1]], responses[t[1]], answers[t[1]])))
-                for t in pending
-            ]
-            pending = []
-            for k, (task, handle) in enumerate(handles):
-                try:
-                    value, err = handle.get(timeout=self.timeout_s)
-                except mp.TimeoutError:
-                    log.warning(
-                        "reward %r timed out after %.1fs on sample %d: scored 0",
-                        task[0],
-                        self.timeout_s,
-                        task[1],
+
+        def replace(w: _Worker, why: str, *, timeout: bool = False) -> None:
+            nonlocal errors, timeouts
+            if w.task is not None:
+                log.warning("reward %r %s on sample %d: scored 0", w.task[0], why, w.task[1])
+                results[w.task] = 0.0
+                errors += 1
+                timeouts += timeout
+            else:
+                log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
+            if not w.ready:
+                self._start_failures += 1
+                if self._start_failures >= 3:
+                    raise RuntimeError(
+                        f"reward workers fail to start ({why}, {self._start_failures} times in a row): "
+                        f"check that reward.fn / reward.extra import in a fresh process"
                     )
-                    results[task] = 0.0
-                    errors += 1
-                    timeouts += 1
-                    # The hung worker cannot be interrupted: kill the pool, resubmit what is unfinished.
-                    done = {t: h.get() for t, h in handles[k + 1 :] if h.ready()}
-                    for t, (v, e) in done.items():
-                        results[t] = v
-                        errors += e is not None
-                    pending = [t for t, _ in handles[k + 1 :] if t not in done]
-                    self._kill_pool()
-                    break
-                except Exception as e:  # e.g. an unpicklable result
-                    value, err = 0.0, f"{type(e).__name__}: {e}"
-                if err is not None:
-                    errors += 1
-                    log.debug("reward %r failed on sample %d: %s", task[0], task[1], err)
-                results[task] = value
+            w.kill()
+            self._workers[self._workers.index(w)] = self._spawn()
+
+        while queue or any(w.task is not None for w in self._workers):
+            self._workers += [self._spawn() for _ in range(self.num_workers - len(self._workers))]
+            for w in self._workers:
+                if w.ready and w.task is None and queue:
+                    w.task = queue.popleft()
+                    w.deadline = time.monotonic() + self.timeout_s
+                    name, i = w.task
+                    try:
+                        w.conn.send((name, prompts[i], responses[i], answers[i]))
+                    except OSError:  # it died while idle: the sentinel reports it; the task goes back
+                        queue.appendleft(w.task)
+                        w.task = None
+            limits = [w.deadline for w in self._workers if w.task is not None or not w.ready]
+            handles = {w.conn: w for w in self._workers} | {w.proc.sentinel: w for w in self._workers}
+            timeout = max(0.0, min(limits) - time.monotonic()) if limits else None
+            fired = {handles[h] for h in mp_connection.wait(list(handles), timeout=timeout)}
+            for w in list(self._workers):
+                if w in fired:
+                    try:
+                        message = w.conn.recv() if w.conn.poll() else None
+                    except (EOFError, OSError):
+                        message = None
+                    if message is None:  # the sentinel fired or the pipe broke: the worker is dead
+                        w.proc.join(timeout=10)
+                        replace(w, f"crashed (worker exit code {w.proc.exitcode})")
+                    elif message == "ready":
+                        w.ready = True
+                        self._start_failures = 0
+                    else:
+                        value, err = message
+                        if err is not None:
+                            errors += 1
+                            log.debug("reward %r failed on sample %d: %s", w.task[0], w.task[1], err)
+                        results[w.task] = value
+                        w.task = None
+                elif (w.task is not None or not w.ready) and time.monotonic() >= w.deadline:
+                    limit = self.timeout_s if w.ready else self.start_timeout_s
+                    replace(w, f"timed out after {limit:.1f}s", timeout=w.ready)
         per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
         total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]
         return Scores(total=total, per_fn=per_fn, errors=errors, timeouts=timeouts)

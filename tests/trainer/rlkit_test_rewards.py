@@ -34,3 +34,32 @@ def parity(prompt, response, answer):
 def constant(prompt, response, answer):
     """No group ever has spread."""
     return 0.25
+
+
+def pid(prompt, response, answer):
+    """The worker's process id (the tests kill workers by it)."""
+    import os
+
+    return float(os.getpid())
+
+
+def crashing(prompt, response, answer):
+    """Ends its process on some samples: exit (answer 'exit'), segfault ('segv'); else 1.0."""
+    import ctypes
+    import os
+
+    if answer == "exit":
+        os._exit(3)
+    if answer == "segv":
+        ctypes.string_at(0)
+    return 1.0
+
+
+def sleep_then_pid(prompt, response, answer):
+    """Writes its pid to the file named by `answer`, sleeps 60 s (the test kills it meanwhile)."""
+    import os
+    from pathlib import Path
+
+    Path(answer).write_text(str(os.getpid()))
+    time.sleep(60)
+    return 1.0

@@ -1,0 +1,115 @@
+"""Reward workers die in every way an operator or the kernel can kill them; scoring never hangs, a crash is
+seen at once (not by the timeout), and the scorer keeps working. Each call runs under a watchdog so that a
+hang fails the test instead of blocking the suite."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlkit.rewards import RewardScorer
+
+
+def bounded(fn, seconds):
+    """fn() in a thread; fails the test if it has not returned after `seconds` (a hang)."""
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised in the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    start = time.monotonic()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"hung for more than {seconds}s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"], time.monotonic() - start
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_idle_worker_killed_then_scoring_and_close_go_on(sig):
+    scorer = RewardScorer("rlkit_test_rewards:pid", timeout_s=30.0, num_workers=2)
+    try:
+        first, _ = bounded(lambda: scorer.score(["q"] * 4, ["r"] * 4, ["a"] * 4), 120)
+        pids = {int(p) for p in first.total}
+        assert pids and all(alive(p) for p in pids)
+        victim = min(pids)
+        os.kill(victim, sig)  # the worker is idle, blocked waiting for its next task
+        time.sleep(0.5)
+        second, elapsed = bounded(lambda: scorer.score(["q"] * 4, ["r"] * 4, ["a"] * 4), 60)
+        assert second.errors == 0 and second.timeouts == 0  # an idle worker's death loses no sample
+        assert elapsed < 20  # far below reward.timeout_s: nothing waited for the dead worker
+        now = {int(p) for p in second.total}
+        assert all(alive(p) for p in now)
+        if sig == signal.SIGKILL:
+            assert victim not in now
+        workers = [w.proc.pid for w in scorer._workers]
+    finally:
+        _, closing = bounded(scorer.close, 30)
+    assert closing < 15
+    assert not any(alive(p) for p in workers)  # close() leaves no process behind
+
+
+def test_busy_worker_killed_is_seen_at_once_and_replaced(tmp_path):
+    scorer = RewardScorer(
+        "rlkit_test_rewards:sleep_then_pid", timeout_s=60.0, num_workers=1, also=["rlkit_test_rewards:pid"]
+    )
+    marker = tmp_path / "pid"
+
+    def killer():
+        for _ in range(600):
+            if marker.exists() and marker.read_text():
+                os.kill(int(marker.read_text()), signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    try:
+        threading.Thread(target=killer, daemon=True).start()
+        s, elapsed = bounded(
+            lambda: scorer.score(["q"], ["r"], [str(marker)], only=["rlkit_test_rewards:sleep_then_pid"]), 120
+        )
+        assert s.total == [0.0] and s.errors == 1 and s.timeouts == 0  # a crash, not a timeout
+        assert elapsed < 30  # the sleep is 60 s and the timeout 60 s: the death was seen at once
+        again, _ = bounded(lambda: scorer.score(["q"], ["r"], ["a"], only=["rlkit_test_rewards:pid"]), 60)
+        assert again.errors == 0 and int(again.total[0]) != int(marker.read_text())
+    finally:
+        bounded(scorer.close, 30)
+
+
+def test_reward_that_exits_or_segfaults_is_an_error_seen_at_once():
+    scorer = RewardScorer("rlkit_test_rewards:crashing", timeout_s=60.0, num_workers=2)
+    try:
+        s, elapsed = bounded(
+            lambda: scorer.score(["q"] * 5, ["r"] * 5, ["ok", "exit", "segv", "ok", "ok"]), 150
+        )
+    finally:
+        bounded(scorer.close, 30)
+    assert s.total == [1.0, 0.0, 0.0, 1.0, 1.0]  # order kept, crashed samples score 0
+    assert s.errors == 2 and s.timeouts == 0
+    assert elapsed < 40  # two worker restarts, no 60 s timeout
+
+
+def test_close_is_idempotent_and_scorer_restarts_after_it():
+    scorer = RewardScorer("rlkit_test_rewards:pid", num_workers=1)
+    first, _ = bounded(lambda: scorer.score(["q"], ["r"], ["a"]), 120)
+    bounded(scorer.close, 30)
+    bounded(scorer.close, 30)
+    assert not alive(int(first.total[0]))
+    second, _ = bounded(lambda: scorer.score(["q"], ["r"], ["a"]), 120)
+    bounded(scorer.close, 30)
+    assert int(second.total[0]) != int(first.total[0])
