@@ -199,13 +199,19 @@ class AlgoConfig:
 class RewardConfig:
     fn: str = "math"
     """Main reward: a registered name (`math`, `format`) or an import path `module:fn` / `module.fn`
-    called as fn(prompt, response, answer) -> float."""
+    called as fn(prompt, response, answer, **columns) -> float (see "Reward functions" in the README)."""
     extra: dict[str, float] = field(default_factory=dict)
     """More reward functions with their weights, added to `fn` (e.g. `+reward.extra.format=0.1`)."""
     timeout_s: float = 10.0
     """A reward call running longer than this yields 0 and counts in `reward/errors`."""
     num_workers: int = 2
     """Reward worker processes (isolated so a hanging function can be killed)."""
+    batch_timeout_s: float = 60.0
+    """Limit of one call of a batched reward function (@rlkit.rewards.batched); over it the batch scores 0."""
+    route_by: Optional[str] = None
+    """A dataset column (e.g. data_source) whose value picks each sample's main reward from `routes`."""
+    routes: dict[str, str] = field(default_factory=dict)
+    """Column value -> reward function (name or import path); other values use `fn`."""
     model: Optional[str] = None
     """A sequence-classification reward model (hub id or local dir, one output) scoring each response in
     the conversation the policy saw; null = none."""
@@ -388,6 +394,11 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
     _positive("algo.max_gen_batches", a.max_gen_batches)
     _positive("reward.model_batch_size", cfg.reward.model_batch_size)
+    _positive("reward.batch_timeout_s", cfg.reward.batch_timeout_s)
+    if cfg.reward.routes and cfg.reward.route_by is None:
+        raise ConfigError(
+            f"reward.routes={dict(cfg.reward.routes)} needs reward.route_by=<dataset column> to choose a route"
+        )
     if cfg.reward.model is not None and not cfg.reward.model.strip():
         raise ConfigError(
             "reward.model='' is not a model: give a hub id or local directory, or null for none"

@@ -1,8 +1,19 @@
 """Reward functions and their safe execution.
 
-A reward function is `fn(prompt: str, response: str, answer: str) -> float`. Built-ins are registered by
-name (`math`, `format`); any other function is addressed by import path (`my_module:my_fn` or
-`my_module.my_fn`). Functions run in worker processes with a per-call timeout: one that raises, returns
+The contract. A reward function is
+
+    def my_reward(prompt: str, response: str, answer: str, **columns) -> float
+
+`prompt` is the templated prompt text, `response` the decoded response, `answer` the row's reference
+answer (`data.answer_key`), and the function also receives, as keyword arguments, the columns of its
+dataset row that its signature names (every column when it takes `**columns`), e.g. test cases, units,
+a tolerance or `data_source`. A function decorated with `@batched` is called once per batch (per
+route) with lists instead: `fn(prompts, responses, answers, **columns_as_lists) -> list[float]`, for
+a model or a service with its own concurrency. `reward.route_by: data_source` picks the main reward
+of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
+
+Built-ins are registered by name (`math`, `format`); any other function is addressed by import path
+(`my_module:my_fn` or `my_module.my_fn`). Functions run in worker processes with a per-call timeout: one that raises, returns
 a non-number, hangs or kills its process (os._exit, a segfault) yields 0 for that sample and is counted
 in `reward/errors` (plus `reward/timeouts`); the run never crashes or hangs because of a reward.
 
@@ -90,15 +101,65 @@ def resolve(spec: str) -> Callable[[str, str, str], float]:
     return fn
 
 
-def _call(spec: str, prompt: str, response: str, answer: str) -> tuple[float, str | None]:
-    """Worker side: (reward, None) or (0.0, error description). Never raises."""
+def batched(fn: Callable) -> Callable:
+    """Mark a reward function as batched: called once per batch with lists, returns one float per sample."""
+    fn.rlkit_batched = True
+    return fn
+
+
+def is_batched(spec: str) -> bool:
+    return bool(getattr(resolve(spec), "rlkit_batched", False))
+
+
+_FIXED = ("prompt", "response", "answer", "prompts", "responses", "answers")
+
+
+@functools.cache
+def _wanted_columns(spec: str) -> tuple[bool, frozenset[str]]:
+    """(takes **kwargs, the other parameter names) of a reward function's signature."""
+    import inspect
+
+    params = inspect.signature(resolve(spec)).parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return var_kw, frozenset(names - set(_FIXED))
+
+
+def _columns_for(spec: str, row: dict) -> dict:
+    var_kw, names = _wanted_columns(spec)
+    return {k: v for k, v in row.items() if k not in _FIXED and (var_kw or k in names)}
+
+
+def _number(value) -> tuple[float, str | None]:
     try:
-        value = float(resolve(spec)(prompt, response, answer))
-        if not math.isfinite(value):
-            return 0.0, f"non-finite reward {value}"
-        return value, None
+        value = float(value)
+    except (TypeError, ValueError) as e:
+        return 0.0, f"non-numeric reward {value!r} ({e})"
+    if not math.isfinite(value):
+        return 0.0, f"non-finite reward {value}"
+    return value, None
+
+
+def _call(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]:
+    """Worker side: one (reward, None) or (0.0, error description) per item. Never raises.
+
+    `items` are (prompt, response, answer, row) tuples: one for a per-sample function, the batch for a
+    batched one.
+    """
+    try:
+        fn = resolve(spec)
+        if not getattr(fn, "rlkit_batched", False):
+            ((prompt, response, answer, row),) = items
+            return [_number(fn(prompt, response, answer, **_columns_for(spec, row)))]
+        columns = {k: [_columns_for(spec, it[3])[k] for it in items] for k in _columns_for(spec, items[0][3])}
+        values = list(
+            fn([it[0] for it in items], [it[1] for it in items], [it[2] for it in items], **columns)
+        )
+        if len(values) != len(items):
+            raise ValueError(f"batched reward returned {len(values)} values for {len(items)} samples")
+        return [_number(v) for v in values]
     except BaseException as e:  # a reward must never take the run down
-        return 0.0, f"{type(e).__name__}: {e}"
+        return [(0.0, f"{type(e).__name__}: {e}")] * len(items)
 
 
 def _init_worker() -> None:
@@ -176,7 +237,7 @@ class Scores:
 
 
 class RewardScorer:
-    """Scores (prompt, response, answer) triples with a weighted sum of reward functions.
+    """Scores samples with a weighted sum of reward functions (see the module doc for the contract).
 
     Args:
         fn: main reward (weight 1).
@@ -184,6 +245,10 @@ class RewardScorer:
         timeout_s: per-call limit; a call over it is abandoned (its worker killed) and scores 0.
         num_workers: worker processes.
         also: functions computed for metrics only (e.g. `math` for accuracy), weight 0.
+        route_by: a dataset column whose value picks each sample's main reward from `routes`
+            (`fn` for values not listed); None = `fn` for every sample.
+        routes: column value -> reward function.
+        batch_timeout_s: the limit of one call of a batched function.
     """
 
     def __init__(
@@ -194,15 +259,21 @@ class RewardScorer:
         timeout_s: float = 10.0,
         num_workers: int = 2,
         also: Sequence[str] = (),
+        route_by: str | None = None,
+        routes: dict[str, str] | None = None,
+        batch_timeout_s: float = 60.0,
     ):
+        self.main = fn
         self.weights: dict[str, float] = {fn: 1.0}
         for name, w in (extra or {}).items():
             self.weights[name] = self.weights.get(name, 0.0) + float(w)
         for name in also:
             self.weights.setdefault(name, 0.0)
-        for name in self.weights:
+        self.route_by, self.routes = route_by, dict(routes or {})
+        for name in [*self.weights, *self.routes.values()]:
             resolve(name)  # fail at start-up on a bad name, not in a worker
         self.timeout_s = timeout_s
+        self.batch_timeout_s = batch_timeout_s
         self.num_workers = num_workers
         self.start_timeout_s = max(120.0, timeout_s)
         self._workers: list[_Worker] = []
@@ -218,15 +289,40 @@ class RewardScorer:
         for w in workers:
             w.kill()
 
+    def _tasks(
+        self, weights: dict[str, float], rows: Sequence[dict]
+    ) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(slot, function, sample indices) calls: per sample, or one per slot and route when batched."""
+        tasks = []
+        for slot in weights:
+            by_spec: dict[str, list[int]] = {}
+            for i, row in enumerate(rows):
+                spec = slot
+                if slot == self.main and self.route_by is not None:
+                    if self.route_by not in row:
+                        raise KeyError(
+                            f"reward.route_by={self.route_by!r} is not a column of the dataset: {sorted(row)}"
+                        )
+                    spec = self.routes.get(str(row[self.route_by]), slot)
+                by_spec.setdefault(spec, []).append(i)
+            for spec, idx in by_spec.items():
+                if is_batched(spec):
+                    tasks.append((slot, spec, tuple(idx)))
+                else:
+                    tasks += [(slot, spec, (i,)) for i in idx]
+        return sorted(tasks, key=lambda t: t[2][0])  # sample order, so early samples finish first
+
     def score(
         self,
         prompts: Sequence[str],
         responses: Sequence[str],
         answers: Sequence[str],
         *,
+        rows: Sequence[dict] | None = None,
         only: Sequence[str] | None = None,
     ) -> Scores:
-        """Score N samples (with the functions in `only`, default all).
+        """Score N samples (with the functions in `only`, default all); `rows[i]` holds sample i's dataset
+        columns (default: none).
 
         Each call runs on an idle worker and gets `timeout_s` from the moment it is sent there (worker
         start-up is not charged to it). A call over its limit scores 0 and its worker is killed and
@@ -235,17 +331,20 @@ class RewardScorer:
         a dead worker can never block the others or `close()`.
         """
         weights = {k: w for k, w in self.weights.items() if only is None or k in only}
-        queue = deque((name, i) for name in weights for i in range(len(responses)))
+        rows = rows if rows is not None else [{}] * len(responses)
+        queue = deque(self._tasks(weights, rows))
         results: dict[tuple[str, int], float] = {}
         errors = timeouts = 0
 
         def replace(w: _Worker, why: str, *, timeout: bool = False) -> None:
             nonlocal errors, timeouts
             if w.task is not None:
-                log.warning("reward %r %s on sample %d: scored 0", w.task[0], why, w.task[1])
-                results[w.task] = 0.0
-                errors += 1
-                timeouts += timeout
+                slot, spec, idx = w.task
+                log.warning("reward %r %s on sample(s) %s: scored 0", spec, why, list(idx))
+                for i in idx:
+                    results[(slot, i)] = 0.0
+                errors += len(idx)
+                timeouts += timeout * len(idx)
             else:
                 log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
             if not w.ready:
@@ -263,10 +362,13 @@ class RewardScorer:
             for w in self._workers:
                 if w.ready and w.task is None and queue:
                     w.task = queue.popleft()
-                    w.deadline = time.monotonic() + self.timeout_s
-                    name, i = w.task
+                    _, spec, idx = w.task
+                    w.deadline = time.monotonic() + (
+                        self.batch_timeout_s if is_batched(spec) else self.timeout_s
+                    )
+                    items = [(prompts[i], responses[i], answers[i], rows[i]) for i in idx]
                     try:
-                        w.conn.send((name, prompts[i], responses[i], answers[i]))
+                        w.conn.send((spec, items))
                     except OSError:  # it died while idle: the sentinel reports it; the task goes back
                         queue.appendleft(w.task)
                         w.task = None
@@ -287,14 +389,17 @@ class RewardScorer:
                         w.ready = True
                         self._start_failures = 0
                     else:
-                        value, err = message
-                        if err is not None:
-                            errors += 1
-                            log.debug("reward %r failed on sample %d: %s", w.task[0], w.task[1], err)
-                        results[w.task] = value
+                        slot, spec, idx = w.task
+                        for i, (value, err) in zip(idx, message):
+                            if err is not None:
+                                errors += 1
+                                log.debug("reward %r failed on sample %d: %s", spec, i, err)
+                            results[(slot, i)] = value
                         w.task = None
                 elif (w.task is not None or not w.ready) and time.monotonic() >= w.deadline:
-                    limit = self.timeout_s if w.ready else self.start_timeout_s
+                    limit = self.start_timeout_s
+                    if w.ready:
+                        limit = self.batch_timeout_s if is_batched(w.task[1]) else self.timeout_s
                     replace(w, f"timed out after {limit:.1f}s", timeout=w.ready)
         per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
         total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]

@@ -160,6 +160,9 @@ class Trainer:
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
             also=["math"],
+            route_by=cfg.reward.route_by,
+            routes=cfg.reward.routes,
+            batch_timeout_s=cfg.reward.batch_timeout_s,
         )
         self.learner = Learner(self.lcfg, self.accelerator)
         self.device = self.learner.device

@@ -137,6 +137,13 @@ class Producer:
         self.rank, self.world = rank, world
         self.device = device if device is not None else torch.device("cpu")  # for collectives (NCCL: GPU)
         self.reward_model = reward_model
+        route_by = cfg.reward.route_by
+        if route_by is not None and prompts.rows and route_by not in prompts.rows[0]:
+            from rlkit.config import ConfigError
+
+            raise ConfigError(
+                f"reward.route_by={route_by!r} is not a column of the training data: {sorted(prompts.rows[0])}"
+            )
         self.group_size = cfg.rollout.group_size
         self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
 
@@ -195,7 +202,8 @@ class Producer:
         with timers("reward"):
             texts = [self.prompts.texts[i] for i in mine for _ in range(G)]
             answers = [self.prompts.answers[i] for i in mine for _ in range(G)]
-            scores = self.scorer.score(texts, list(rb.response_texts), answers)
+            rows = [self.prompts.rows[i] for i in mine for _ in range(G)]
+            scores = self.scorer.score(texts, list(rb.response_texts), answers, rows=rows)
             per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in scores.per_fn.items()}
             rewards = torch.tensor(scores.total, dtype=torch.float32)
             rw = cfg.reward

@@ -63,3 +63,37 @@ def sleep_then_pid(prompt, response, answer):
     Path(answer).write_text(str(os.getpid()))
     time.sleep(60)
     return 1.0
+
+
+def uses_columns(prompt, response, answer, unit, tolerance):
+    """Reads two dataset columns by name: 1.0 when the response mentions the unit, plus the tolerance."""
+    return (1.0 if unit in response else 0.0) + float(tolerance)
+
+
+def all_columns(prompt, response, answer, **columns):
+    """Sees every column: the number of columns it got (the fixed arguments are not among them)."""
+    return float(len(columns))
+
+
+def by_source(prompt, response, answer, data_source):
+    return {"alpha": 10.0, "beta": 20.0}.get(data_source, -1.0)
+
+
+@__import__("rlkit.rewards", fromlist=["batched"]).batched
+def batch_size_reward(prompts, responses, answers, unit):
+    """Batched: every sample gets the size of the batch it was scored in, plus 0.5 if its unit is 'kg'."""
+    return [len(prompts) + (0.5 if u == "kg" else 0.0) for u in unit]
+
+
+@__import__("rlkit.rewards", fromlist=["batched"]).batched
+def batched_wrong_length(prompts, responses, answers):
+    return [1.0]
+
+
+@__import__("rlkit.rewards", fromlist=["batched"]).batched
+def batched_hanging(prompts, responses, answers):
+    time.sleep(600)
+
+
+def non_numeric(prompt, response, answer):
+    return "seven" if "7" in answer else 1.0
