@@ -181,6 +181,7 @@ class Trainer:
         self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = self._guard_run_dir()
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_ds, eval_ds = load_splits(cfg.data, seed=t.seed)
@@ -230,6 +231,35 @@ class Trainer:
             )  # fmt: skip
             self.wandb_id = self.logger.run_id
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+
+    def _guard_run_dir(self):
+        """Lock run_dir for this run and check what it holds, on rank 0 before any model loads (see
+        rlkit.rundir); every rank raises rank 0's error. Returns the lock (rank 0) or None."""
+        from rlkit.rundir import (
+            RunDirLock,
+            check_fresh_run,
+            check_world_size,
+            checkpoint_state,
+            truncate_metrics,
+        )
+
+        lock = error = None
+        if self.is_main:
+            try:
+                lock = RunDirLock(self.run_dir)
+                check_fresh_run(self.run_dir, self.cfg.trainer.resume)
+                resume_from = self._resume_path()
+                if resume_from is not None:
+                    check_world_size(resume_from, self.world)
+                truncate_metrics(self.run_dir, checkpoint_state(resume_from)["step"] if resume_from else 0)
+            except Exception as e:
+                if lock is not None:
+                    lock.release()
+                error = e
+        error = self._broadcast(error)
+        if error is not None:
+            raise error
+        return lock
 
     # -- distributed helpers -------------------------------------------------------------------
 
@@ -587,6 +617,7 @@ class Trainer:
 
             bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
         first_step = self.step
+        checkpoint_timing = {}
         try:
             if t.eval_at_start and self.step == 0 and self.eval_prompts is not None:
                 timers = Timers()
@@ -607,16 +638,22 @@ class Trainer:
                     with timers("eval"):
                         metrics.update(self.evaluate())
                 stop = self._should_stop()
-                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
-                    with timers("checkpoint"):
-                        self.save_checkpoint()
                 metrics.update(timers.seconds)
+                metrics.update(checkpoint_timing)  # the checkpoint written after the previous step
+                checkpoint_timing = {}
                 history.append(metrics)
+                # The step's line goes out before its checkpoint: a crash between the two leaves a line
+                # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
                 if self.logger is not None:
                     self.logger.log(metrics, step=self.step)
                 if bar is not None:
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                     bar.update(1)
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
+                    checkpoint_timers = Timers()
+                    with checkpoint_timers("checkpoint"):
+                        self.save_checkpoint()
+                    checkpoint_timing = checkpoint_timers.seconds
                 if stop:
                     log.warning(
                         "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
@@ -650,6 +687,9 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
 
 def _peak_memory_gb() -> float:

@@ -2,6 +2,7 @@
 exits, a checkpoint never runs code, a run directory is locked and never mixed with another run, metrics and
 checkpoints agree after any crash, and a resume with another world size is refused."""
 
+import json
 import os
 import pickle
 import shutil
@@ -118,3 +119,115 @@ def test_a_crafted_pickle_in_a_checkpoint_never_runs(tiny, one_step_run, tmp_pat
         Trainer(cfg).close()
     assert not marker.exists()
     assert str(ckpt) in str(e.value)
+
+
+def _config(tiny, run_dir, *extra):
+    from rlkit.config import load_config
+    from rlkit.train import compose
+
+    return load_config(compose(overrides(tiny, run_dir, *extra)))
+
+
+def test_a_second_run_in_a_locked_run_dir_is_refused_and_a_dead_holder_frees_it(tiny, one_step_run, tmp_path):
+    from rlkit.trainer import Trainer
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+    first = Trainer(_config(tiny, run_dir, "trainer.steps=2"))
+    try:
+        with pytest.raises(RuntimeError, match=rf"run_dir={run_dir} is in use .*pid {os.getpid()}"):
+            train(tiny, run_dir, "trainer.steps=2")
+    finally:
+        first.close()
+    # A holder killed with SIGKILL (no clean-up at all) frees the directory: the kernel drops its lock.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import time; from rlkit.rundir import RunDirLock; lock = RunDirLock({str(run_dir)!r}); "
+         "print('locked', flush=True); time.sleep(600)"],
+        env=_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RuntimeError, match=f"pid {holder.pid}"):
+            train(tiny, run_dir, "trainer.steps=2")
+    finally:
+        holder.kill()
+        holder.wait()
+    from rlkit.rundir import RunDirLock
+
+    RunDirLock(run_dir).release()  # free again
+
+
+def test_resume_none_in_a_used_run_dir_is_refused_and_leaves_it_untouched(tiny, one_step_run, tmp_path):
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+
+    def files():  # every file but the lock, with its modification time
+        return {
+            p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != "rlkit.lock"
+        }
+
+    before = files()
+    with pytest.raises(
+        RuntimeError, match=r"resume=none.*checkpoints/step_1.*new trainer.run_dir.*resume=auto"
+    ):
+        train(tiny, run_dir, "trainer.steps=2", "trainer.resume=none")
+    assert files() == before
+
+
+def test_resume_with_another_world_size_is_refused_naming_both(tiny, one_step_run, tmp_path):
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+    state = latest_checkpoint(run_dir) / "trainer_state.json"
+    assert json.loads(state.read_text())["world_size"] == 1
+    # As a 2-process run would have written it (every other file is the same kind of file).
+    state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    with pytest.raises(RuntimeError, match="written by 2 processes, this run has 1"):
+        train(tiny, run_dir, "trainer.steps=2")
+
+
+def test_crash_right_after_a_checkpoint_loses_no_metrics_line(tiny, tmp_path, monkeypatch):
+    from rlkit.trainer import Trainer
+
+    real_save = Trainer.save_checkpoint
+
+    def save_then_crash(self):
+        path = real_save(self)
+        if self.step == 1:
+            raise RuntimeError("killed right after the checkpoint (simulated)")
+        return path
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_then_crash)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny, tmp_path / "r", "trainer.steps=2", "trainer.save_every=1")
+    monkeypatch.setattr(Trainer, "save_checkpoint", real_save)
+    assert latest_checkpoint(tmp_path / "r").name == "step_1"
+    train(tiny, tmp_path / "r", "trainer.steps=2", "trainer.save_every=1")
+    assert _steps(tmp_path / "r") == [0, 1, 2]
+
+
+def test_crash_between_checkpoints_duplicates_no_metrics_line(tiny, tmp_path, monkeypatch):
+    """save_every=2: a crash in step 4 leaves the line of step 3, which is past the checkpoint (step 2); the
+    resumed run cuts it off (and a line torn by the crash) and redoes step 3 identically."""
+    from rlkit.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def crash_in_step_4(self):
+        if self.step == 3:
+            raise RuntimeError("crash in step 4 (simulated)")
+        return real_step(self)
+
+    run_dir = tmp_path / "r"
+    monkeypatch.setattr(Trainer, "train_step", crash_in_step_4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny, run_dir, "trainer.steps=4", "trainer.save_every=2")
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    first = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in first] == [0, 1, 2, 3] and latest_checkpoint(run_dir).name == "step_2"
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # a line cut short by kill -9
+    train(tiny, run_dir, "trainer.steps=4", "trainer.save_every=2")
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+    for key in ("reward/mean", "loss/total", "grad_norm"):
+        assert lines[3][key] == pytest.approx(first[3][key], rel=1e-6, abs=1e-9), key
