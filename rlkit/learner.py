@@ -133,6 +133,8 @@ class LearnerConfig:
     """Optimizer steps per pass (each rank splits its rows into this many mini-batches)."""
     seed: int = 0
     """Seed for model initialisation (the critic's head) and torch RNG."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective of the process group (torch.distributed's init_process_group timeout)."""
 
     def __post_init__(self):
         def choice(key, valid):
@@ -337,8 +339,13 @@ def _padding_micro(batch) -> _Micro:
 
 def make_accelerator(cfg: LearnerConfig):
     """FSDP2 with bf16 mixed precision on CUDA; plain (or DDP over gloo when launched multi-process) on CPU."""
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from datetime import timedelta
 
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))]
     if torch.cuda.is_available():
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
@@ -346,8 +353,12 @@ def make_accelerator(cfg: LearnerConfig):
             reshard_after_forward=True,
             state_dict_type="SHARDED_STATE_DICT",
         )
-        return Accelerator(mixed_precision="bf16" if cfg.dtype == "bfloat16" else "no", fsdp_plugin=plugin)
-    return Accelerator(cpu=True)
+        return Accelerator(
+            mixed_precision="bf16" if cfg.dtype == "bfloat16" else "no",
+            fsdp_plugin=plugin,
+            kwargs_handlers=handlers,
+        )
+    return Accelerator(cpu=True, kwargs_handlers=handlers)
 
 
 def _load_causal_lm(path: str, dtype: torch.dtype, device):

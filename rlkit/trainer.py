@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.batch import RolloutBatch
+from rlkit.collectives import CollectiveWatch
 from rlkit.config import RLConfig, to_dict
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def learner_config(cfg: RLConfig):
         ppo_epochs=a.ppo_epochs,
         mini_batches=a.mini_batches,
         seed=t.seed,
+        collective_timeout_s=t.collective_timeout_s,
     )
 
 
@@ -178,6 +180,7 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.rank == 0
+        self._watch = CollectiveWatch(self.world, t.collective_timeout_s)  # names a stopped rank
         self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -705,5 +708,10 @@ def run(cfg: RLConfig) -> list[dict[str, float]]:
     trainer = Trainer(cfg)
     try:
         return trainer.train()
+    except Exception as e:
+        explained = trainer._watch.explain(e)  # a collective timed out: which rank stopped?
+        if explained is not None:
+            raise explained from e
+        raise
     finally:
         trainer.close()

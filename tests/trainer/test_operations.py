@@ -4,7 +4,6 @@ checkpoints agree after any crash, and a resume with another world size is refus
 
 import json
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import test_e2e
+import torch
 from test_e2e import overrides, read_jsonl, train
 
 from rlkit.config import REPO_ROOT
@@ -113,7 +113,7 @@ def test_a_crafted_pickle_in_a_checkpoint_never_runs(tiny, one_step_run, tmp_pat
     shutil.copytree(one_step_run, run_dir)
     ckpt = latest_checkpoint(run_dir)
     marker = tmp_path / "pwned"
-    (ckpt / "state" / victim).write_bytes(pickle.dumps(_Payload(marker)))
+    torch.save({"state": _Payload(marker)}, ckpt / "state" / victim)  # as accelerate writes its files
     cfg = load_config(compose(overrides(tiny, run_dir, "trainer.steps=2", "trainer.resume=auto")))
     with pytest.raises(RuntimeError, match=victim if victim.startswith("custom") else "weights_only") as e:
         Trainer(cfg).close()
