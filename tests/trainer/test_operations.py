@@ -71,6 +71,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     out = (tmp_path / "out.txt").read_text()
+    print(f"MEASURED sigterm-to-exit {elapsed:.1f}s (reward.timeout_s={timeout_s})")
     assert rc == 0, out[-3000:]
     assert elapsed < timeout_s + 10, elapsed
     steps = _steps(run_dir)

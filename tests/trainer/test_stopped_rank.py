@@ -94,6 +94,7 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
             os.kill(pid, signal.SIGKILL)
         proc.wait()
     text = (tmp_path / "out.txt").read_text()
+    print(f"MEASURED sigstop-to-exit {elapsed:.1f}s (collective_timeout_s={timeout_s})")
     assert rc != 0
     assert "rank 1 stopped responding" in text, text[-5000:]
     assert "trainer.collective_timeout_s=8" in text
