@@ -265,6 +265,9 @@ class TrainerConfig:
     """auto | cpu | cuda."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    collective_timeout_s: float = 600.0
+    """With several processes: a collective that waits longer than this (a rank hung, stopped or dead) ends
+    every rank with an error naming the rank that stopped."""
 
 
 @dataclass

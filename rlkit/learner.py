@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
+import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+SCHEDULERS_FILE = "schedulers.json"  # LR scheduler states, in a checkpoint's state/ directory
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
 
@@ -130,6 +133,8 @@ class LearnerConfig:
     """Optimizer steps per pass (each rank splits its rows into this many mini-batches)."""
     seed: int = 0
     """Seed for model initialisation (the critic's head) and torch RNG."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective of the process group (torch.distributed's init_process_group timeout)."""
 
     def __post_init__(self):
         def choice(key, valid):
@@ -334,8 +339,13 @@ def _padding_micro(batch) -> _Micro:
 
 def make_accelerator(cfg: LearnerConfig):
     """FSDP2 with bf16 mixed precision on CUDA; plain (or DDP over gloo when launched multi-process) on CPU."""
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from datetime import timedelta
 
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))]
     if torch.cuda.is_available():
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
@@ -343,8 +353,12 @@ def make_accelerator(cfg: LearnerConfig):
             reshard_after_forward=True,
             state_dict_type="SHARDED_STATE_DICT",
         )
-        return Accelerator(mixed_precision="bf16" if cfg.dtype == "bfloat16" else "no", fsdp_plugin=plugin)
-    return Accelerator(cpu=True)
+        return Accelerator(
+            mixed_precision="bf16" if cfg.dtype == "bfloat16" else "no",
+            fsdp_plugin=plugin,
+            kwargs_handlers=handlers,
+        )
+    return Accelerator(cpu=True, kwargs_handlers=handlers)
 
 
 def _load_causal_lm(path: str, dtype: torch.dtype, device):
@@ -418,7 +432,6 @@ class Learner:
         # A plain LambdaLR stepped once per optimizer step: accelerate's wrapper steps it
         # num_processes times per call, which assumes a sharded dataloader we do not use.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
-        acc.register_for_checkpointing(self.scheduler)
 
         self.value_model = self.value_optimizer = self.value_scheduler = None
         if cfg.value_model:
@@ -427,7 +440,6 @@ class Learner:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.value_model, self.value_optimizer = acc.prepare(critic, self._adamw(critic))
             self.value_scheduler = torch.optim.lr_scheduler.LambdaLR(self.value_optimizer, _lr_lambda(cfg))
-            acc.register_for_checkpointing(self.value_scheduler)
         self.global_step = 0
         self.num_microbatches: list[int] = []
         """Micro-batches run per mini-batch (padding included), appended by every backward pass; for tests."""
@@ -752,11 +764,50 @@ class Learner:
                 directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
             )
         acc.save_state(str(directory / "state"))
+        if acc.is_main_process:  # plain JSON, not a pickle: loading a checkpoint never runs code
+            (directory / "state" / SCHEDULERS_FILE).write_text(json.dumps(self._scheduler_states()))
         acc.wait_for_everyone()
 
+    def _scheduler_states(self) -> list[dict]:
+        return [s.state_dict() for s in (self.scheduler, self.value_scheduler) if s is not None]
+
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote (weights, optimizer and scheduler states, RNG)."""
-        self.accelerator.load_state(str(Path(directory) / "state"))
+        """Restore what `save_checkpoint` wrote (weights, optimizer and scheduler states, RNG).
+
+        Nothing in a checkpoint can run code: tensors load with torch's `weights_only=True` (accelerate's
+        default), the schedulers from JSON; a checkpoint holding pickled objects (accelerate's
+        `custom_checkpoint_*.pkl`, which it unpickles with `weights_only=False`) is refused.
+        """
+        state = Path(directory) / "state"
+        pickled = sorted(p.name for p in state.glob("custom_checkpoint_*.pkl"))
+        if pickled:
+            raise RuntimeError(
+                f"checkpoint {directory} holds pickled objects ({', '.join(pickled)}): rlkit never unpickles "
+                "them, since a crafted file would run code on resume. Resume from a checkpoint written by this "
+                "version of rlkit, or start a new run (trainer.run_dir=NEW_DIR)."
+            )
+        try:
+            from accelerate.utils import load
+
+            # accelerate loads the RNG states with weights_only=True too, but ignores a failure silently.
+            rng = state / f"random_states_{self.accelerator.process_index}.pkl"
+            if rng.exists():
+                load(rng)
+            self.accelerator.load_state(str(state))
+        except pickle.UnpicklingError as e:
+            raise RuntimeError(
+                f"checkpoint {directory}: a file is not plain tensors and was refused by torch.load("
+                f"weights_only=True), so it was not run: {str(e).splitlines()[0]}"
+            ) from e
+        states = json.loads((state / SCHEDULERS_FILE).read_text())
+        schedulers = [s for s in (self.scheduler, self.value_scheduler) if s is not None]
+        if len(states) != len(schedulers):
+            raise RuntimeError(
+                f"checkpoint {directory} holds {len(states)} LR scheduler states, this run has "
+                f"{len(schedulers)} (algo.value_model differs?)"
+            )
+        for scheduler, sd in zip(schedulers, states):
+            scheduler.load_state_dict(sd)
         self.global_step = self.scheduler.last_epoch
 
 

@@ -84,6 +84,9 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=0,
         monitor_interval=1,
+        # When a rank fails, the others get SIGTERM and this long to exit before SIGKILL (a stopped rank
+        # never exits by itself).
+        shutdown_timeout=max(1, int(cfg.trainer.collective_timeout_s)),
     )
     # The resolved config travels to the children, so they all agree on run_dir and every other value.
     elastic_launch(config, _worker)(to_dict(cfg))

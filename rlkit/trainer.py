@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlkit.collectives import CollectiveWatch
 from rlkit.config import RLConfig, to_dict
 from rlkit.rollout.producer import sampling_seed
 
@@ -100,6 +101,7 @@ def learner_config(cfg: RLConfig):
         ppo_epochs=a.ppo_epochs,
         mini_batches=a.mini_batches,
         seed=t.seed,
+        collective_timeout_s=t.collective_timeout_s,
     )
 
 
@@ -140,9 +142,11 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.rank == 0
+        self._watch = CollectiveWatch(self.world, t.collective_timeout_s)  # names a stopped rank
         self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = self._guard_run_dir()
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_ds, eval_ds = load_splits(cfg.data, seed=t.seed)
@@ -207,6 +211,35 @@ class Trainer:
             )  # fmt: skip
             self.wandb_id = self.logger.run_id
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+
+    def _guard_run_dir(self):
+        """Lock run_dir for this run and check what it holds, on rank 0 before any model loads (see
+        rlkit.rundir); every rank raises rank 0's error. Returns the lock (rank 0) or None."""
+        from rlkit.rundir import (
+            RunDirLock,
+            check_fresh_run,
+            check_world_size,
+            checkpoint_state,
+            truncate_metrics,
+        )
+
+        lock = error = None
+        if self.is_main:
+            try:
+                lock = RunDirLock(self.run_dir)
+                check_fresh_run(self.run_dir, self.cfg.trainer.resume)
+                resume_from = self._resume_path()
+                if resume_from is not None:
+                    check_world_size(resume_from, self.world)
+                truncate_metrics(self.run_dir, checkpoint_state(resume_from)["step"] if resume_from else 0)
+            except Exception as e:
+                if lock is not None:
+                    lock.release()
+                error = e
+        error = self._broadcast(error)
+        if error is not None:
+            raise error
+        return lock
 
     # -- distributed helpers -------------------------------------------------------------------
 
@@ -522,6 +555,7 @@ class Trainer:
 
             bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
         first_step = self.step
+        checkpoint_timing = {}
         try:
             if t.eval_at_start and self.step == 0 and self.eval_prompts is not None:
                 timers = Timers()
@@ -542,16 +576,22 @@ class Trainer:
                     with timers("eval"):
                         metrics.update(self.evaluate())
                 stop = self._should_stop()
-                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
-                    with timers("checkpoint"):
-                        self.save_checkpoint()
                 metrics.update(timers.seconds)
+                metrics.update(checkpoint_timing)  # the checkpoint written after the previous step
+                checkpoint_timing = {}
                 history.append(metrics)
+                # The step's line goes out before its checkpoint: a crash between the two leaves a line
+                # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
                 if self.logger is not None:
                     self.logger.log(metrics, step=self.step)
                 if bar is not None:
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                     bar.update(1)
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
+                    checkpoint_timers = Timers()
+                    with checkpoint_timers("checkpoint"):
+                        self.save_checkpoint()
+                    checkpoint_timing = checkpoint_timers.seconds
                 if stop:
                     log.warning(
                         "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
@@ -585,6 +625,9 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
 
 def _peak_memory_gb() -> float:
@@ -600,5 +643,10 @@ def run(cfg: RLConfig) -> list[dict[str, float]]:
     trainer = Trainer(cfg)
     try:
         return trainer.train()
+    except Exception as e:
+        explained = trainer._watch.explain(e)  # a collective timed out: which rank stopped?
+        if explained is not None:
+            raise explained from e
+        raise
     finally:
         trainer.close()

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -83,6 +82,7 @@ def test_busy_worker_killed_is_seen_at_once_and_replaced(tmp_path):
         s, elapsed = bounded(
             lambda: scorer.score(["q"], ["r"], [str(marker)], only=["rlkit_test_rewards:sleep_then_pid"]), 120
         )
+        print(f"MEASURED busy-worker-kill detected {elapsed:.1f}s (timeout_s=60)")
         assert s.total == [0.0] and s.errors == 1 and s.timeouts == 0  # a crash, not a timeout
         assert elapsed < 30  # the sleep is 60 s and the timeout 60 s: the death was seen at once
         again, _ = bounded(lambda: scorer.score(["q"], ["r"], ["a"], only=["rlkit_test_rewards:pid"]), 60)
@@ -99,6 +99,7 @@ def test_reward_that_exits_or_segfaults_is_an_error_seen_at_once():
         )
     finally:
         bounded(scorer.close, 30)
+    print(f"MEASURED exit+segfault scored {elapsed:.1f}s (timeout_s=60)")
     assert s.total == [1.0, 0.0, 0.0, 1.0, 1.0]  # order kept, crashed samples score 0
     assert s.errors == 2 and s.timeouts == 0
     assert elapsed < 40  # two worker restarts, no 60 s timeout

@@ -1,0 +1,72 @@
+"""A hung rank must not hang everyone.
+
+Every collective waits at most `trainer.collective_timeout_s` (the process group's timeout, set in
+`rlkit.learner.make_accelerator`). When one times out, `CollectiveWatch.explain` finds out which ranks stopped
+with a monitored barrier on a gloo group of its own (gloo's `monitored_barrier` names the ranks that did not
+arrive; the main group may be NCCL, or left in an undefined state by the failed collective), and every live
+rank ends with an error saying so. The launcher (rlkit's own, or torchrun) then ends the ranks that are left,
+and their reward workers die with them (rlkit.rewards).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than trainer.collective_timeout_s: a rank stopped, hung or died."""
+
+
+def is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class CollectiveWatch:
+    """Built on every rank at start-up (a collective call); `explain(error)` after a failure."""
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.group = None
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def explain(self, error: BaseException) -> CollectiveTimeout | None:
+        """A CollectiveTimeout naming the stopped ranks when `error` is a collective timeout, else None."""
+        if self.group is None or not is_timeout(error):
+            return None
+        rank = dist.get_rank()
+        log.error("rank %d: a collective timed out; checking which ranks still respond", rank)
+        try:
+            dist.monitored_barrier(
+                group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True
+            )
+            who = "every rank responds again (one was slower than the timeout)"
+        except RuntimeError as e:
+            who = stopped_ranks_message(str(e), rank)
+        message = (
+            f"rank {rank}: a collective waited longer than trainer.collective_timeout_s={self.timeout_s:g}s: {who}. "
+            "Ending this rank; the launcher ends the others."
+        )
+        print(message, file=sys.stderr, flush=True)  # a launcher may report only another rank's error
+        return CollectiveTimeout(message)
+
+
+def stopped_ranks_message(barrier_error: str, rank: int) -> str:
+    """What gloo's monitored_barrier error says about the missing ranks, in plain words."""
+    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", barrier_error)
+    if m:  # rank 0 hears from everyone: the ranks listed never arrived
+        ranks = [int(r) for r in re.findall(r"\d+", m.group(1))]
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped responding"
+    if rank != 0:  # other ranks only hear from rank 0
+        return "rank 0 stopped responding (or reported another rank: see its message)"
+    return (
+        f"the ranks could not be checked ({barrier_error.splitlines()[0] if barrier_error else 'no detail'})"
+    )

@@ -1,0 +1,234 @@
+"""What an operator can rely on (README "Operating rlkit"): SIGTERM to the whole process group checkpoints and
+exits, a checkpoint never runs code, a run directory is locked and never mixed with another run, metrics and
+checkpoints agree after any crash, and a resume with another world size is refused."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_e2e
+import torch
+from test_e2e import overrides, read_jsonl, train
+
+from rlkit.config import REPO_ROOT
+from rlkit.trainer import latest_checkpoint
+
+HERE = Path(__file__).resolve().parent
+tiny = test_e2e.tiny  # the tiny model fixture
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _steps(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [line["step"] for line in read_jsonl(path)] if path.exists() else []
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
+    """`timeout`, `docker stop`, Slurm and systemd signal every process of the job, reward workers too."""
+    run_dir = tmp_path / "g"
+    timeout_s = 5
+    args = overrides(
+        tiny, run_dir, "trainer.steps=500", f"reward.timeout_s={timeout_s}", "reward.num_workers=2"
+    )
+    log = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlkit.train", *args], env=_env(), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while max(_steps(run_dir), default=0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[
+                -3000:
+            ]
+            time.sleep(0.2)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=timeout_s + 60)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None or _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = (tmp_path / "out.txt").read_text()
+    print(f"MEASURED sigterm-to-exit {elapsed:.1f}s (reward.timeout_s={timeout_s})")
+    assert rc == 0, out[-3000:]
+    assert elapsed < timeout_s + 10, elapsed
+    steps = _steps(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and int(ckpt.name.split("_")[1]) == steps[-1] < 500
+    assert steps == list(range(steps[-1] + 1))  # the step-0 eval, then every step once
+    for _ in range(50):  # the processes of the group are gone within seconds
+        if not _group_alive(proc.pid):
+            break
+        time.sleep(0.1)
+    left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True)
+    assert not _group_alive(proc.pid), left.stdout  # no reward worker left behind
+
+
+class _Payload:
+    """Unpickling this creates a marker directory: proof that a checkpoint ran code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tiny, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    train(tiny, run_dir, "trainer.steps=1", "trainer.eval_at_start=false")
+    return run_dir
+
+
+@pytest.mark.parametrize("victim", ["custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"])
+def test_a_crafted_pickle_in_a_checkpoint_never_runs(tiny, one_step_run, tmp_path, victim):
+    """accelerate unpickles custom_checkpoint_*.pkl with weights_only=False; rlkit writes none and refuses one."""
+    from rlkit.config import load_config
+    from rlkit.train import compose
+    from rlkit.trainer import Trainer
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    marker = tmp_path / "pwned"
+    torch.save({"state": _Payload(marker)}, ckpt / "state" / victim)  # as accelerate writes its files
+    cfg = load_config(compose(overrides(tiny, run_dir, "trainer.steps=2", "trainer.resume=auto")))
+    with pytest.raises(RuntimeError, match=victim if victim.startswith("custom") else "weights_only") as e:
+        Trainer(cfg).close()
+    assert not marker.exists()
+    assert str(ckpt) in str(e.value)
+
+
+def _config(tiny, run_dir, *extra):
+    from rlkit.config import load_config
+    from rlkit.train import compose
+
+    return load_config(compose(overrides(tiny, run_dir, *extra)))
+
+
+def test_a_second_run_in_a_locked_run_dir_is_refused_and_a_dead_holder_frees_it(tiny, one_step_run, tmp_path):
+    from rlkit.trainer import Trainer
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+    first = Trainer(_config(tiny, run_dir, "trainer.steps=2"))
+    try:
+        with pytest.raises(RuntimeError, match=rf"run_dir={run_dir} is in use .*pid {os.getpid()}"):
+            train(tiny, run_dir, "trainer.steps=2")
+    finally:
+        first.close()
+    # A holder killed with SIGKILL (no clean-up at all) frees the directory: the kernel drops its lock.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import time; from rlkit.rundir import RunDirLock; lock = RunDirLock({str(run_dir)!r}); "
+         "print('locked', flush=True); time.sleep(600)"],
+        env=_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RuntimeError, match=f"pid {holder.pid}"):
+            train(tiny, run_dir, "trainer.steps=2")
+    finally:
+        holder.kill()
+        holder.wait()
+    from rlkit.rundir import RunDirLock
+
+    RunDirLock(run_dir).release()  # free again
+
+
+def test_resume_none_in_a_used_run_dir_is_refused_and_leaves_it_untouched(tiny, one_step_run, tmp_path):
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+
+    def files():  # every file but the lock, with its modification time
+        return {
+            p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != "rlkit.lock"
+        }
+
+    before = files()
+    with pytest.raises(
+        RuntimeError, match=r"resume=none.*checkpoints/step_1.*new trainer.run_dir.*resume=auto"
+    ):
+        train(tiny, run_dir, "trainer.steps=2", "trainer.resume=none")
+    assert files() == before
+
+
+def test_resume_with_another_world_size_is_refused_naming_both(tiny, one_step_run, tmp_path):
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+    state = latest_checkpoint(run_dir) / "trainer_state.json"
+    assert json.loads(state.read_text())["world_size"] == 1
+    # As a 2-process run would have written it (every other file is the same kind of file).
+    state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    with pytest.raises(RuntimeError, match="written by 2 processes, this run has 1"):
+        train(tiny, run_dir, "trainer.steps=2")
+
+
+def test_crash_right_after_a_checkpoint_loses_no_metrics_line(tiny, tmp_path, monkeypatch):
+    from rlkit.trainer import Trainer
+
+    real_save = Trainer.save_checkpoint
+
+    def save_then_crash(self):
+        path = real_save(self)
+        if self.step == 1:
+            raise RuntimeError("killed right after the checkpoint (simulated)")
+        return path
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_then_crash)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny, tmp_path / "r", "trainer.steps=2", "trainer.save_every=1")
+    monkeypatch.setattr(Trainer, "save_checkpoint", real_save)
+    assert latest_checkpoint(tmp_path / "r").name == "step_1"
+    train(tiny, tmp_path / "r", "trainer.steps=2", "trainer.save_every=1")
+    assert _steps(tmp_path / "r") == [0, 1, 2]
+
+
+def test_crash_between_checkpoints_duplicates_no_metrics_line(tiny, tmp_path, monkeypatch):
+    """save_every=2: a crash in step 4 leaves the line of step 3, which is past the checkpoint (step 2); the
+    resumed run cuts it off (and a line torn by the crash) and redoes step 3 identically."""
+    from rlkit.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def crash_in_step_4(self):
+        if self.step == 3:
+            raise RuntimeError("crash in step 4 (simulated)")
+        return real_step(self)
+
+    run_dir = tmp_path / "r"
+    monkeypatch.setattr(Trainer, "train_step", crash_in_step_4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny, run_dir, "trainer.steps=4", "trainer.save_every=2")
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    first = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in first] == [0, 1, 2, 3] and latest_checkpoint(run_dir).name == "step_2"
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/me')  # a line cut short by kill -9
+    train(tiny, run_dir, "trainer.steps=4", "trainer.save_every=2")
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+    for key in ("reward/mean", "loss/total", "grad_norm"):
+        assert lines[3][key] == pytest.approx(first[3][key], rel=1e-6, abs=1e-9), key

@@ -1,0 +1,104 @@
+"""A hung rank must not hang everyone: SIGSTOP one of 2 gloo ranks of a running training; every rank ends
+within trainer.collective_timeout_s (plus the launcher's shutdown), the error names the stopped rank, and no
+process (rank or reward worker) is left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import test_e2e
+from test_e2e import overrides, read_jsonl
+
+from rlkit.config import REPO_ROOT
+
+HERE = Path(__file__).resolve().parent
+tiny = test_e2e.tiny  # the tiny model fixture
+
+
+def _environ(pid):
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _ppid(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _session(sid):
+    """Pids of the processes of session `sid` (the launcher, its ranks and their reward workers)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if os.getsid(int(p.name)) == sid:
+                    out.append(int(p.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return out
+
+
+def _rank_pid(launcher, rank):
+    """The trainer process of `rank`: a child of the launcher whose reward workers have RANK=rank (the
+    launcher sets RANK inside the rank process, so only processes it starts show it in /proc)."""
+    for pid in _session(launcher):
+        try:
+            parent = _ppid(pid)
+            if _environ(pid).get("RANK") == str(rank) and _ppid(parent) == launcher:
+                return parent
+        except (OSError, IndexError):
+            pass
+    return None
+
+
+def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
+    run_dir = tmp_path / "d"
+    timeout_s = 8
+    args = overrides(
+        tiny, run_dir, "trainer.steps=500", "trainer.num_processes=2", f"trainer.collective_timeout_s={timeout_s}",
+        "trainer.eval_at_start=false",
+    )  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlkit.train", *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not read_jsonl(run_dir / "metrics.jsonl"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[
+                -3000:
+            ]
+            time.sleep(0.2)
+        victim = _rank_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        start = time.monotonic()
+        rc = proc.wait(timeout=10 * timeout_s)
+        elapsed = time.monotonic() - start
+        for _ in range(50):  # the reward workers follow their rank within moments
+            if not _session(proc.pid):
+                break
+            time.sleep(0.1)
+        left = _session(proc.pid)
+    finally:
+        for pid in _session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    text = (tmp_path / "out.txt").read_text()
+    print(f"MEASURED sigstop-to-exit {elapsed:.1f}s (collective_timeout_s={timeout_s})")
+    assert rc != 0
+    assert "rank 1 stopped responding" in text, text[-5000:]
+    assert "trainer.collective_timeout_s=8" in text
+    # the collective's timeout + the monitored barrier's + torch's fixed 30 s grace before it SIGKILLs the
+    # stopped rank (a stopped process cannot act on SIGTERM), and slack for a loaded machine
+    assert elapsed < 2 * timeout_s + 30 + 25, elapsed
+    assert left == [], left
