@@ -23,7 +23,7 @@ from rlkit.config import ARITHMETIC_KINDS, DataConfig, check_arithmetic_kinds
 log = logging.getLogger(__name__)
 
 ARITHMETIC = "arithmetic"
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def cache_dir() -> Path:
@@ -104,21 +104,21 @@ def generate_arithmetic(
 def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
     """(builder, {split: files}) for a local file or a directory of train.* / test.* files."""
     if path.is_file():
-        builder = _FILE_BUILDERS.get(path.suffix)
+        builder = FILE_TYPES.get(path.suffix)
         if builder is None:
             raise ValueError(
-                f"data.path={str(path)!r}: unknown file type {path.suffix!r}, not one of {list(_FILE_BUILDERS)}"
+                f"data.path={str(path)!r}: unknown file type {path.suffix!r}, not one of {list(FILE_TYPES)}"
             )
         return builder, {"train": [str(path)]}
     files: dict[str, list[str]] = {}
     builders = set()
     for f in sorted(path.iterdir()):
-        if f.suffix in _FILE_BUILDERS:
+        if f.suffix in FILE_TYPES:
             files.setdefault(f.stem.split(".")[0].split("-")[0], []).append(str(f))
-            builders.add(_FILE_BUILDERS[f.suffix])
+            builders.add(FILE_TYPES[f.suffix])
     if not files or len(builders) != 1:
         raise ValueError(
-            f"data.path={str(path)!r}: expected train.* / test.* files of one type {list(_FILE_BUILDERS)}"
+            f"data.path={str(path)!r}: expected train.* / test.* files of one type {list(FILE_TYPES)}"
         )
     return builders.pop(), files
 
@@ -143,7 +143,7 @@ def load_splits(cfg: DataConfig, *, seed: int = 0):
     if local.exists():
         builder, files = _local_data_files(local)
         ds = datasets.load_dataset(builder, data_files=files)
-    elif path.startswith((".", "/", "~")) or Path(path).suffix in _FILE_BUILDERS:
+    elif path.startswith((".", "/", "~")) or Path(path).suffix in FILE_TYPES:
         raise FileNotFoundError(f"data.path={path!r} does not exist")
     else:
         try:
