@@ -259,6 +259,9 @@ def check_rules(cfg: RLConfig) -> None:
     """The rules between keys, and the non-numeric keys `validate` does not check by choice."""
     m, r, a, t, lg = cfg.model, cfg.rollout, cfg.algo, cfg.trainer, cfg.logger
     _nonempty("model.path", m.path)
+    for key, path in (("model.path", m.path), ("reward.model", cfg.reward.model)):
+        if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+            raise ConfigError(f"{key}={path!r} does not exist (a local path: it starts with / . or ~)")
     if len(t.betas) != 2 or any(b is None or not 0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={list(t.betas)!r} must be two values in [0, 1), e.g. [0.9, 0.999]")
     optimizer_steps = t.steps * a.ppo_epochs * a.mini_batches

@@ -122,6 +122,7 @@ def test_rollout_is_without_logprobs_turns_them_on(caplog):
 # A value of None means YAML null. Numbers outside their range are checked by `test_every_range`.
 BAD = [
     ("model.path", "", ["model.path is missing"]),
+    ("model.path", "/no/such/model", ["model.path='/no/such/model' does not exist"]),
     ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['float32', 'bfloat16']"]),
     ("model.dtype", "fp8", ["model.dtype='fp8' is not one of ['float32', 'bfloat16']"]),
     ("model.gradient_checkpointing", "maybe", ["model.gradient_checkpointing", "maybe"]),
@@ -171,6 +172,7 @@ BAD = [
     ("reward.extra", {"formt": 0.1}, ["reward.extra.formt", "'math', 'format'"]),
     ("reward.extra", {"format": "nan"}, ["reward.extra.format=nan must be a finite weight"]),
     ("reward.model", "", ["reward.model='' is not a model"]),
+    ("reward.model", "./no/such/rm", ["reward.model='./no/such/rm' does not exist"]),
     ("trainer.betas", [0.9], ["trainer.betas=[0.9] must be two values in [0, 1)"]),
     ("trainer.betas", [0.9, 1.0], ["trainer.betas=[0.9, 1.0] must be two values in [0, 1)"]),
     ("trainer.warmup_steps", 31, ["trainer.warmup_steps=31 exceeds the run's 30 optimizer steps"]),
