@@ -261,6 +261,11 @@ def test_the_sweep_covers_every_key():
 def test_every_key_rejects_a_bad_value(quickstart, row, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative paths (run_dir) resolve in a scratch folder
     key, value, words, *extra = row
+    if "CUDA" in words[0]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("the value is valid on a machine with a GPU")
     with pytest.raises(ConfigError) as err:
         load_config(_with(quickstart, key, value, *extra))
     for w in words:
