@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 RECIPE_DIR = REPO_ROOT / "recipes"
 
-DTYPES = ["float32", "bfloat16", "float16"]
+DTYPES = ["float32", "bfloat16"]
 ENGINES = ["auto", "hf", "vllm"]
 ADV_ESTIMATORS = ["grpo", "rloo", "reinforce_pp", "gae"]
 POLICY_LOSSES = ["ppo_clip", "gspo", "cispo"]
@@ -43,7 +43,8 @@ class ModelConfig:
     path: str = ""
     """Hub id, local HF checkpoint dir, or a short name resolved by rlkit.models (e.g. `smollm2-135m`)."""
     dtype: str = "bfloat16"
-    """Parameter / compute dtype of learner and engine: float32 | bfloat16 | float16."""
+    """Parameter / compute dtype of learner and engine: float32 | bfloat16 (float16 is not supported:
+    it needs loss scaling, which the learner does not do)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
 
@@ -236,13 +237,13 @@ class TrainerConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
+    """AdamW betas: two values in [0, 1)."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
     lr_schedule: str = "constant"
     """constant | cosine (after warm-up)."""
     max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
+    """Gradient clipping norm (> 0; `inf` = no clipping, the norm is still logged)."""
     max_tokens_per_microbatch: int = 8192
     """Token budget (prompt + response) per learner micro-batch."""
     seed: int = 0
@@ -328,22 +329,25 @@ def _choice(key: str, value, choices: list) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {choices}")
 
 
-def _positive(key: str, value, *, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value!r} must be {bound}")
-
-
 def load_config(cfg: DictConfig | dict, *, world_size: int = 1) -> RLConfig:
     """Composed Hydra config -> validated `RLConfig` (unknown keys and wrong types raise here)."""
-    merged = OmegaConf.merge(OmegaConf.structured(RLConfig), cfg)
-    missing = sorted(OmegaConf.missing_keys(merged))
-    if missing:
-        raise ConfigError(
-            f"missing value for {missing}: set them on the command line (e.g. {missing[0]}=...)"
-            + (" - model.path is missing" if "model.path" in missing else "")
-        )
-    config: RLConfig = OmegaConf.to_object(merged)
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rlkit.config_checks import check_unknown_keys
+
+    # Hydra's `+group.key=value` adds a key even to the structured schema; refuse it by name.
+    check_unknown_keys(cfg)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RLConfig), cfg)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(
+                f"missing value for {missing}: set them on the command line (e.g. {missing[0]}=...)"
+                + (" - model.path is missing" if "model.path" in missing else "")
+            )
+        config: RLConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # a wrong type, e.g. trainer.steps=abc
+        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from e
     validate(config, world_size=world_size)
     return config
 
@@ -353,34 +357,32 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
 
     `world_size` is the number of ranks the run will use (the batch must split evenly over them).
     """
+    from rlkit.config_checks import check_ranges, check_rules
+
     m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.trainer
     if not m.path or m.path == "???":
         raise ConfigError(
             "model.path is missing: set model.path=<hub id | local dir | smollm2-135m>, or start from a "
             "recipe (+recipe=quickstart runs offline)"
         )
+    if m.dtype == "float16":
+        raise ConfigError(
+            "model.dtype='float16' is not supported (fp16 training needs loss scaling, which the learner "
+            f"does not do): use one of {DTYPES}"
+        )
     _choice("model.dtype", m.dtype, DTYPES)
     if not d.path:
         raise ConfigError("data.path is missing: set data.path=<hub id | local file | arithmetic>")
     _choice("data.template", d.template, TEMPLATES)
-    _positive("data.max_prompt_tokens", d.max_prompt_tokens)
-    _positive("data.eval_size", d.eval_size, allow_zero=True)
     check_arithmetic_kinds(d.arithmetic_kinds)
 
     _choice("rollout.engine", r.engine, ENGINES)
-    _positive("rollout.group_size", r.group_size)
-    _positive("rollout.max_new_tokens", r.max_new_tokens)
-    _positive("rollout.temperature", r.temperature, allow_zero=True)
-    _positive("rollout.eval_group_size", r.eval_group_size)
-    _positive("rollout.mismatch_samples", r.mismatch_samples, allow_zero=True)
-    _positive("rollout.eval_temperature", r.eval_temperature, allow_zero=True)
     if r.temperature == 0:
         raise ConfigError(
             "rollout.temperature=0 (greedy) cannot train: every sample of a group would be identical; "
             "use a temperature > 0"
         )
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={r.top_p!r} must be in (0, 1]")
+    check_ranges(cfg)
 
     _choice("algo.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
     _choice("algo.policy_loss", a.policy_loss, POLICY_LOSSES)
@@ -389,15 +391,8 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     _choice("algo.rollout_kl_estimator", a.rollout_kl_estimator, KL_ESTIMATORS)
     _choice("algo.rollout_is.level", a.rollout_is.level, IS_LEVELS)
     _choice("algo.rollout_is.mode", a.rollout_is.mode, IS_MODES)
-    _positive("algo.kl_coef", a.kl_coef, allow_zero=True)
-    _positive("algo.rollout_kl_coef", a.rollout_kl_coef, allow_zero=True)
-    _positive("algo.ppo_epochs", a.ppo_epochs)
-    _positive("algo.mini_batches", a.mini_batches)
     _choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)
     _choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
-    _positive("algo.max_gen_batches", a.max_gen_batches)
-    _positive("reward.model_batch_size", cfg.reward.model_batch_size)
-    _positive("reward.batch_timeout_s", cfg.reward.batch_timeout_s)
     if cfg.reward.routes and cfg.reward.route_by is None:
         raise ConfigError(
             f"reward.routes={dict(cfg.reward.routes)} needs reward.route_by=<dataset column> to choose a route"
@@ -406,8 +401,6 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
         raise ConfigError(
             "reward.model='' is not a model: give a hub id or local directory, or null for none"
         )
-    _positive("reward.overlong_buffer", cfg.reward.overlong_buffer, allow_zero=True)
-    _positive("reward.overlong_penalty", cfg.reward.overlong_penalty, allow_zero=True)
     if cfg.reward.overlong_buffer > r.max_new_tokens:
         raise ConfigError(
             f"reward.overlong_buffer={cfg.reward.overlong_buffer} must be <= "
@@ -418,25 +411,12 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
             f"algo.dynamic_sampling='refill' filters groups by their spread: algo.adv_estimator="
             f"{a.adv_estimator!r} is not one of ['grpo', 'rloo']"
         )
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} must be > 1 (or null to disable)")
-    if a.norm_len is not None:
-        _positive("algo.norm_len", a.norm_len)
     is_cfg = a.rollout_is
-    _positive("algo.rollout_is.upper", is_cfg.upper)
     if is_cfg.lower is not None and is_cfg.lower >= is_cfg.upper:
         raise ConfigError(
             f"algo.rollout_is.lower={is_cfg.lower!r} must be below algo.rollout_is.upper={is_cfg.upper!r}"
         )
-    if (
-        is_cfg.veto_lower is not None
-        and is_cfg.veto_upper is not None
-        and is_cfg.veto_lower >= is_cfg.veto_upper
-    ):
-        raise ConfigError(
-            f"algo.rollout_is.veto_lower={is_cfg.veto_lower!r} must be below "
-            f"algo.rollout_is.veto_upper={is_cfg.veto_upper!r}"
-        )
+    # veto_lower < 1 < veto_upper by their ranges.
     if a.adv_estimator == "gae" and not a.value_model:
         raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.value_model=true")
     if a.kl_in_reward and a.adv_estimator not in ("gae", "reinforce_pp"):
@@ -462,16 +442,8 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
         )
         r.return_logprobs = True
 
-    _positive("trainer.steps", t.steps)
-    _positive("trainer.train_batch_size", t.train_batch_size)
-    _positive("trainer.lr", t.lr, allow_zero=True)
     _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("trainer.device", t.device, DEVICES)
-    _positive("trainer.eval_every", t.eval_every, allow_zero=True)
-    _positive("trainer.save_every", t.save_every, allow_zero=True)
-    _positive("trainer.keep_last", t.keep_last, allow_zero=True)
-    if t.num_processes is not None:
-        _positive("trainer.num_processes", t.num_processes)
     if t.train_batch_size % r.group_size:
         raise ConfigError(
             f"trainer.train_batch_size={t.train_batch_size} must be divisible by "
@@ -488,8 +460,7 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
             f"{t.train_batch_size // world_size} (trainer.train_batch_size / ranks)"
         )
     _choice("logger.backend", cfg.logger.backend, LOGGERS)
-    _positive("reward.timeout_s", cfg.reward.timeout_s)
-    _positive("reward.num_workers", cfg.reward.num_workers)
+    check_rules(cfg)
 
 
 def to_dict(cfg: RLConfig) -> dict:

@@ -1,4 +1,5 @@
-"""Metric sinks: Weights & Biases (offline automatically without an API key), console, or none.
+"""Metric sinks: Weights & Biases (offline automatically without an API key, or when its host cannot be
+reached), console, or none.
 
 Whatever the sink, `<run_dir>/metrics.jsonl` gets one JSON line per step (the lead's plots read it).
 Only rank 0 logs; metrics arrive already reduced across ranks (see rlkit.metrics / rlkit.trainer).
@@ -11,10 +12,19 @@ import logging
 import math
 import netrc
 import os
+import socket
 import subprocess
+import threading
+import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
+
+REACH_TIMEOUT_S = 5.0
+"""How long the start-up check may wait for a TCP connection to the W&B host (DNS included)."""
+INIT_TIMEOUT_S = 30.0
+"""wandb.init's own timeout (wandb's default is 90 s, after which the run aborted); then offline."""
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
@@ -41,6 +51,35 @@ def wandb_logged_in() -> bool:
         return netrc.netrc().authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+def wandb_reachable(timeout: float = REACH_TIMEOUT_S) -> tuple[bool, str]:
+    """(whether a TCP connection to the W&B host opens within `timeout` seconds, why not).
+
+    The host is WANDB_BASE_URL's (default api.wandb.ai), or the proxy the environment routes it
+    through. Without a network wandb.init waits 90 s and then aborts the run; this answers in seconds.
+    """
+    base = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = base.hostname or "", base.port or (443 if base.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(base.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = p.hostname or "", p.port or 80
+    failure: list[str] = []
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError as e:
+            failure.append(f"{host}:{port}: {type(e).__name__}: {e}")
+
+    # A thread bounds the DNS lookup too, which socket timeouts do not cover.
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return False, f"{host}:{port}: no answer within {timeout:g} s"
+    return not failure, (failure[0] if failure else "")
 
 
 def _jsonable(v):
@@ -85,7 +124,12 @@ class MetricsLogger:
             if mode is None and not wandb_logged_in():
                 mode = "offline"
                 print("W&B: no API key found (WANDB_API_KEY / `wandb login`): logging offline.", flush=True)
-            self.run = wandb.init(
+            elif mode in (None, "online", "run"):
+                reachable, why = wandb_reachable()
+                if not reachable:
+                    mode = "offline"
+                    log.warning("W&B: cannot reach the server (%s): logging offline instead", why)
+            kwargs = dict(
                 project=project,
                 entity=entity,
                 name=name,
@@ -94,8 +138,18 @@ class MetricsLogger:
                 config={**config, "git_commit": git_commit()},
                 id=resume_id,
                 resume="allow" if resume_id else None,
-                mode=mode,
             )
+            try:
+                self.run = wandb.init(
+                    **kwargs, mode=mode, settings=wandb.Settings(init_timeout=INIT_TIMEOUT_S)
+                )
+            except Exception as e:  # reachable but not answering (or refusing): keep the run going
+                if mode in ("offline", "disabled"):
+                    raise
+                log.warning("W&B: wandb.init failed (%s: %s): logging offline instead", type(e).__name__, e)
+                mode = "offline"
+                wandb.teardown()  # a fresh wandb service: the failed one still holds the online stream
+                self.run = wandb.init(**kwargs, mode=mode)
             self.run_id = self.run.id
             if mode == "offline":
                 run_path = Path(self.run.dir).parent

@@ -62,12 +62,12 @@ def test_command_line_override_wins_over_recipe():
             "trainer.train_batch_size=10 must be divisible by rollout.group_size=4",
         ),
         (
-            ["algo.rollout_is.lower=3.0", "algo.rollout_is.upper=2.0"],
-            "algo.rollout_is.lower=3.0 must be below algo.rollout_is.upper=2.0",
+            ["algo.rollout_is.lower=1.0", "algo.rollout_is.upper=1.0"],
+            "algo.rollout_is.lower=1.0 must be below algo.rollout_is.upper=1.0",
         ),
         (
             ["algo.rollout_is.veto_lower=0.5", "algo.rollout_is.veto_upper=0.1"],
-            "algo.rollout_is.veto_lower=0.5 must be below",
+            "algo.rollout_is.veto_upper=0.1 must be > 1",
         ),
         (
             ["rollout.group_size=1", "trainer.train_batch_size=4"],
@@ -114,3 +114,236 @@ def test_rollout_is_without_logprobs_turns_them_on(caplog):
     assert "setting rollout.return_logprobs=true" in caplog.text
     cfg = _compose(["+recipe=quickstart", "rollout.return_logprobs=false", "algo.rollout_kl_coef=0.1"])
     assert load_config(cfg).rollout.return_logprobs is True
+
+
+# ------------------------------------------------------------------------------------ the key sweep
+# Every key of RLConfig with at least one bad value, set on top of the valid quickstart config, and the
+# words its ConfigError must contain (the user's key, and the value / choices / bound where relevant).
+# A value of None means YAML null. Numbers outside their range are checked by `test_every_range`.
+BAD = [
+    ("model.path", "", ["model.path is missing"]),
+    ("model.path", "/no/such/model", ["model.path='/no/such/model' does not exist"]),
+    ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['float32', 'bfloat16']"]),
+    ("model.dtype", "fp8", ["model.dtype='fp8' is not one of ['float32', 'bfloat16']"]),
+    ("model.gradient_checkpointing", "maybe", ["model.gradient_checkpointing", "maybe"]),
+    ("data.path", "", ["data.path is missing"]),
+    ("data.path", "/no/such/file.jsonl", ["data.path='/no/such/file.jsonl' does not exist"]),
+    ("data.subset", [1], ["data.subset"]),
+    ("data.train_split", "", ["data.train_split='' must be a non-empty string"]),
+    ("data.eval_split", {"a": 1}, ["data.eval_split"]),
+    ("data.prompt_key", "answer", ["data.prompt_key and data.answer_key are both 'answer'"]),
+    ("data.answer_key", "", ["data.answer_key='' must be a non-empty string"]),
+    ("data.template", "jinja", ["data.template='jinja' is not one of ['chat', 'plain']"]),
+    ("data.system_prompt", [1], ["data.system_prompt"]),
+    ("data.instruction", {"a": 1}, ["data.instruction"]),
+    ("data.num_train", 400, ["data.num_train + data.num_eval = 440 exceeds the 400 distinct problems"]),
+    ("data.arithmetic_kinds", [], ["data.arithmetic_kinds=[] must be a non-empty subset of"]),
+    ("rollout.engine", "sglang", ["rollout.engine='sglang' is not one of ['auto', 'hf', 'vllm']"]),
+    ("rollout.engine", "vllm", ["rollout.engine='vllm' needs a CUDA GPU"]),
+    ("rollout.temperature", 0, ["rollout.temperature=0 (greedy) cannot train"]),
+    ("rollout.stop", [""], ["rollout.stop=['']: a stop string must be non-empty"]),
+    ("rollout.return_logprobs", "maybe", ["rollout.return_logprobs", "maybe"]),
+    ("rollout.seed_per_prompt", "maybe", ["rollout.seed_per_prompt", "maybe"]),
+    (
+        "rollout.engine_kwargs",
+        {"max_batchsize": 4},
+        ["rollout.engine_kwargs.max_batchsize", "max_batch_size"],
+    ),
+    ("rollout.engine_kwargs", {"max_batch_size": 0}, ["rollout.engine_kwargs.max_batch_size=0 must be"]),
+    ("rollout.eval_temperature", 0, ["rollout.eval_group_size=4 with rollout.eval_temperature=0"]),
+    ("algo.name", [1], ["algo.name"]),
+    ("algo.adv_estimator", "vtrace", ["algo.adv_estimator='vtrace' is not one of"]),
+    ("algo.norm_by_std", "maybe", ["algo.norm_by_std", "maybe"]),
+    ("algo.mask_zero_std_groups", "maybe", ["algo.mask_zero_std_groups", "maybe"]),
+    ("algo.policy_loss", "ppo", ["algo.policy_loss='ppo' is not one of ['ppo_clip', 'gspo', 'cispo']"]),
+    ("algo.loss_agg_mode", "mean", ["algo.loss_agg_mode='mean' is not one of"]),
+    ("algo.kl_estimator", "k5", ["algo.kl_estimator='k5' is not one of ['k1', 'abs', 'k2', 'k3']"]),
+    ("algo.kl_in_reward", True, ["algo.kl_in_reward=true needs token-level rewards"]),
+    ("algo.value_model", True, ["algo.value_model=true trains a critic that only algo.adv_estimator='gae'"]),
+    ("algo.rollout_is.enabled", "maybe", ["algo.rollout_is.enabled", "maybe"]),
+    ("algo.rollout_is.level", "seq", ["algo.rollout_is.level='seq' is not one of"]),
+    ("algo.rollout_is.mode", "clip", ["algo.rollout_is.mode='clip' is not one of"]),
+    ("algo.rollout_kl_estimator", "k9", ["algo.rollout_kl_estimator='k9' is not one of"]),
+    ("algo.dynamic_sampling", "on", ["algo.dynamic_sampling='on' is not one of ['off', 'refill']"]),
+    ("algo.filter_metric", "loss", ["algo.filter_metric='loss' is not one of ['reward', 'accuracy']"]),
+    ("algo.overlong_filter", "maybe", ["algo.overlong_filter", "maybe"]),
+    ("reward.fn", "no_such_reward", ["reward.fn", "no_such_reward", "'math', 'format'"]),
+    ("reward.fn", "", ["reward.fn='' must be a non-empty string"]),
+    ("reward.extra", {"formt": 0.1}, ["reward.extra.formt", "'math', 'format'"]),
+    ("reward.extra", {"format": "nan"}, ["reward.extra.format=nan must be a finite weight"]),
+    ("reward.model", "", ["reward.model='' is not a model"]),
+    ("reward.model", "./no/such/rm", ["reward.model='./no/such/rm' does not exist"]),
+    ("trainer.betas", [0.9], ["trainer.betas=[0.9] must be two values in [0, 1)"]),
+    ("trainer.betas", [0.9, 1.0], ["trainer.betas=[0.9, 1.0] must be two values in [0, 1)"]),
+    ("trainer.warmup_steps", 31, ["trainer.warmup_steps=31 exceeds the run's 30 optimizer steps"]),
+    ("trainer.lr_schedule", "linear", ["trainer.lr_schedule='linear' is not one of ['constant', 'cosine']"]),
+    ("trainer.eval_at_start", "maybe", ["trainer.eval_at_start", "maybe"]),
+    (
+        "trainer.resume",
+        "/no/such/ckpt",
+        ["trainer.resume='/no/such/ckpt' is not 'auto', 'none' or an existing"],
+    ),
+    ("trainer.run_dir", "", ["trainer.run_dir='' must be a non-empty string"]),
+    ("trainer.device", "tpu", ["trainer.device='tpu' is not one of ['auto', 'cpu', 'cuda']"]),
+    ("trainer.device", "cuda", ["trainer.device='cuda' but no CUDA device is visible"]),
+    ("trainer.progress_bar", "maybe", ["trainer.progress_bar", "maybe"]),
+    (
+        "logger.backend",
+        "tensorboard",
+        ["logger.backend='tensorboard' is not one of ['wandb', 'console', 'none']"],
+    ),
+    ("logger.project", "", ["logger.project='' must be a non-empty string"]),
+    ("logger.entity", [1], ["logger.entity"]),
+    ("logger.name", "", ["logger.name='' must be a non-empty string"]),
+    ("logger.tags", ["x" * 65], ["logger.tags", "must be 1 to 64 characters"]),
+    # cross-key rules whose key is numeric
+    ("algo.vf_coef", 0.0, ["algo.vf_coef=0 never trains the critic"], {"algo": "ppo"}),
+    (
+        "trainer.train_batch_size",
+        18,
+        ["trainer.train_batch_size=18 must be divisible by rollout.group_size=4"],
+    ),
+    ("algo.mini_batches", 3, ["algo.mini_batches=3 must divide the per-rank batch 16"]),
+    ("reward.overlong_buffer", 33, ["reward.overlong_buffer=33 must be <= rollout.max_new_tokens=32"]),
+    ("rollout.group_size", 1, ["algo.norm_by_std=true needs rollout.group_size >= 2"]),
+]
+# One value outside each numeric key's range (int keys get ints), chosen from the range by hand.
+OUT_OF_RANGE = {
+    "data.eval_size": -1, "data.max_prompt_tokens": 0, "data.num_train": 0, "data.num_eval": 0,
+    "rollout.group_size": 0, "rollout.temperature": -0.5, "rollout.top_p": 1.5, "rollout.top_k": -1,
+    "rollout.max_new_tokens": 0, "rollout.mismatch_samples": -1, "rollout.weight_sync_kl_threshold": 0.0,
+    "rollout.eval_group_size": 0, "rollout.eval_temperature": -1.0, "algo.rollout_is.upper": 0.5,
+    "algo.rollout_is.lower": -0.1, "algo.rollout_is.veto_lower": 1.0, "algo.rollout_is.veto_upper": 1.0,
+    "algo.clip_low": 1.5, "algo.clip_high": -0.1, "algo.dual_clip": 0.5, "algo.norm_len": 0,
+    "algo.kl_coef": -0.1, "algo.entropy_coef": -0.01, "algo.gamma": 1.1, "algo.lam": -0.1,
+    "algo.vf_coef": -1.0, "algo.value_clip": 0.0, "algo.ppo_epochs": 0, "algo.mini_batches": 0,
+    "algo.rollout_kl_coef": -1.0, "algo.max_gen_batches": 0, "reward.timeout_s": 0.0,
+    "reward.num_workers": 0, "reward.model_weight": float("inf"), "reward.model_batch_size": 0,
+    "reward.overlong_buffer": -1, "reward.overlong_penalty": -1.0, "trainer.steps": 0,
+    "trainer.train_batch_size": 0, "trainer.lr": -1e-6, "trainer.weight_decay": -0.1,
+    "trainer.warmup_steps": -1, "trainer.max_grad_norm": -1.0, "trainer.max_tokens_per_microbatch": 0,
+    "trainer.seed": -1, "trainer.eval_every": -1, "trainer.save_every": -1, "trainer.keep_last": -1,
+    "trainer.num_processes": 0,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    """The composed quickstart config as a plain dict (what the launcher hands its worker processes)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(_compose(["+recipe=quickstart"]), resolve=True)
+
+
+def _with(base: dict, key: str, value, extra: dict | None = None) -> dict:
+    import copy
+
+    cfg = copy.deepcopy(base)
+    if extra and "algo" in extra:  # the ppo group: GAE with a critic
+        cfg["algo"].update(adv_estimator="gae", value_model=True, kl_in_reward=False)
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    return cfg
+
+
+def test_the_sweep_covers_every_key():
+    from rlkit.config_checks import RANGES, numeric_keys, schema_fields
+
+    swept = {row[0] for row in BAD} | set(OUT_OF_RANGE)
+    assert set(schema_fields()) - swept == set()
+    assert set(numeric_keys()) == set(RANGES) == set(OUT_OF_RANGE)
+
+
+@pytest.mark.parametrize("row", BAD, ids=lambda row: f"{row[0]}={row[1]!r}"[:60])
+def test_every_key_rejects_a_bad_value(quickstart, row, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths (run_dir) resolve in a scratch folder
+    key, value, words, *extra = row
+    if "CUDA" in words[0]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("the value is valid on a machine with a GPU")
+    with pytest.raises(ConfigError) as err:
+        load_config(_with(quickstart, key, value, *extra))
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+@pytest.mark.parametrize("key", sorted(OUT_OF_RANGE))
+def test_every_range(quickstart, key):
+    from rlkit.config_checks import RANGES
+
+    value = OUT_OF_RANGE[key]
+    assert value not in RANGES[key]
+    with pytest.raises(ConfigError) as err:
+        load_config(_with(quickstart, key, value))
+    assert f"{key}={value!r}" in str(err.value)
+
+
+def test_ranges_by_hand():
+    from rlkit.config_checks import RANGES
+
+    grad = RANGES["trainer.max_grad_norm"]
+    assert 1.0 in grad and float("inf") in grad and 1e-8 in grad
+    assert -1.0 not in grad and 0.0 not in grad and float("nan") not in grad
+    assert str(grad) == "> 0 (or inf)"
+    top_p = RANGES["rollout.top_p"]
+    assert 1.0 in top_p and 0.0 not in top_p and str(top_p) == "in (0, 1]"
+    assert float("inf") not in RANGES["trainer.lr"] and float("nan") not in RANGES["trainer.lr"]
+
+
+def test_hydra_plus_on_an_unknown_key_is_refused_with_close_keys():
+    cfg = _compose(["+recipe=quickstart", "+trainer.stepz=3"])  # Hydra itself accepts it
+    with pytest.raises(ConfigError, match=r"trainer.stepz is not a config key: did you mean trainer.steps"):
+        load_config(cfg)
+    cfg = _compose(["+recipe=quickstart", "+algo.rollout_is.uper=3"])
+    with pytest.raises(ConfigError, match=r"algo.rollout_is.uper .*did you mean algo.rollout_is.upper"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match=r"optimizer is not a config key: valid keys here: \['algo',"):
+        load_config(_compose(["+recipe=quickstart", "+optimizer.lr=3"]))
+
+
+def test_a_wrong_type_names_the_key(quickstart):
+    with pytest.raises(ConfigError, match=r"trainer.steps: Value 'abc'"):
+        load_config(_with(quickstart, "trainer.steps", "abc"))
+
+
+def test_boundary_values_are_accepted(quickstart):
+    """The edges of the ranges are valid, and the learner takes every value the validation lets through
+    (its own checks would name internal `learner.*` keys)."""
+    from rlkit.trainer import learner_config
+
+    edges = {
+        "trainer.max_grad_norm": float("inf"), "trainer.lr": 0.0, "trainer.seed": 0,
+        "trainer.warmup_steps": 30, "algo.clip_low": 1.0, "algo.clip_high": 0.0, "algo.gamma": 0.0,
+        "algo.entropy_coef": 0.0, "rollout.top_p": 1.0, "trainer.betas": [0.0, 0.0],
+        "data.eval_size": 0, "trainer.max_tokens_per_microbatch": 1, "reward.model_weight": -2.0,
+    }  # fmt: skip
+    for key, value in edges.items():
+        learner_config(load_config(_with(quickstart, key, value)))
+    for recipe in RECIPES:
+        learner_config(load_config(_compose([f"+recipe={recipe}"])))
+
+
+def test_learner_checks_are_implied_by_the_config_checks():
+    """LearnerConfig's own choices and ranges are never narrower than the config's, so a valid
+    RLConfig never raises an error naming an internal `learner.*` key."""
+    from rlkit import config, learner
+    from rlkit.config_checks import RANGES
+
+    assert set(config.DTYPES) <= set(learner.DTYPES)
+    assert set(config.POLICY_LOSSES) <= set(learner.POLICY_LOSSES)
+    assert set(config.LOSS_AGG_MODES) <= set(learner.AGG_MODES)
+    assert set(config.KL_ESTIMATORS) <= set(learner.KL_ESTIMATORS)
+    assert set(config.LR_SCHEDULES) <= set(learner.LR_SCHEDULES)
+    # learner: > 0 for these, >= 0 for the rest
+    for key in ("rollout.temperature", "trainer.max_tokens_per_microbatch", "algo.ppo_epochs",
+                "algo.mini_batches", "trainer.steps", "algo.norm_len"):  # fmt: skip
+        assert 0 not in RANGES[key] and -1 not in RANGES[key], key
+    for key in ("trainer.lr", "trainer.weight_decay", "trainer.warmup_steps", "algo.kl_coef",
+                "algo.rollout_kl_coef", "algo.entropy_coef", "algo.vf_coef"):  # fmt: skip
+        assert -1e-9 not in RANGES[key], key
+    assert 1.0 not in RANGES["algo.dual_clip"]

@@ -96,3 +96,104 @@ def test_arithmetic_kinds_select_problem_types(tmp_path):
         assert r["answer"].endswith(f"#### {a + b}")
     with pytest.raises(ValueError, match="arithmetic_kinds"):
         generate_arithmetic(tmp_path / "bad", num_train=3, num_eval=1, kinds=("multiply",))
+
+
+# ------------------------------------------------------------------------------------------ bad data
+# Each bad file gives an error naming the file, the 1-based line and (for a bad value) the key, or a
+# counted, logged skip. Line numbers below are counted by hand from the text written.
+
+
+def _rows(n: int, start: int = 0) -> str:
+    return "".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(start, n))
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    from rlkit.data import DataError
+
+    f = tmp_path / "bad.jsonl"
+    f.write_text(_rows(3) + '{"question": "q3" "answer": "#### 3"}\n' + _rows(5, 4))  # line 4 lacks a comma
+    with pytest.raises(DataError, match=rf"^{f}:4: malformed JSON \(Expecting ',' delimiter, column 19\)"):
+        load_splits(DataConfig(path=str(f), eval_size=0))
+    f.write_text(_rows(2) + "\n\n" + '["not", "an", "object"]\n')  # blank lines 3-4, then line 5
+    with pytest.raises(DataError, match=rf"^{f}:5: a row must be a JSON object, not list"):
+        load_splits(DataConfig(path=str(f), eval_size=0))
+    a = tmp_path / "arr.json"
+    a.write_text('[\n  {"question": "q0", "answer": "1"},\n  {"question": "q1", "answer": 2,}\n]\n')
+    with pytest.raises(DataError, match=rf"^{a}:3: malformed JSON"):
+        load_splits(DataConfig(path=str(a), eval_size=0))
+
+
+def test_empty_file_names_the_file(tmp_path):
+    from rlkit.data import DataError
+
+    for text in ("", "\n  \n"):
+        f = tmp_path / "empty.jsonl"
+        f.write_text(text)
+        with pytest.raises(DataError, match=rf"^{f}: the file holds no rows"):
+            load_splits(DataConfig(path=str(f), eval_size=0))
+    # an empty test split in a directory is named too
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "train.jsonl").write_text(_rows(4))
+    (d / "test.jsonl").write_text("")
+    with pytest.raises(DataError, match=rf"{d / 'test.jsonl'}: the file holds no rows"):
+        load_splits(DataConfig(path=str(d)))
+
+
+def test_non_utf8_byte_names_file_line_and_byte(tmp_path):
+    from rlkit.data import DataError
+
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(_rows(2).encode() + '{"question": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(
+        DataError, match=rf"^{f}:3: not UTF-8 \(byte 0xe9 at column 18\)"
+    ):  # {"question": "caf = 17 characters
+        load_splits(DataConfig(path=str(f), eval_size=0))
+
+
+def test_eval_size_holding_out_every_row_names_the_key(tmp_path):
+    from rlkit.data import DataError
+
+    f = tmp_path / "five.jsonl"
+    f.write_text(_rows(5))
+    for size in (5, 9):
+        with pytest.raises(DataError, match=rf"data.eval_size={size} would hold out all 5 usable rows"):
+            load_splits(DataConfig(path=str(f), eval_size=size))
+    train, ev = load_splits(DataConfig(path=str(f), eval_size=4))
+    assert len(train) == 1 and len(ev) == 4
+
+
+def test_null_or_empty_prompt_and_answer_are_skipped_counted_and_logged(tmp_path, caplog):
+    from rlkit.data import DataError
+
+    f = tmp_path / "nulls.jsonl"
+    lines = [
+        {"question": "q0", "answer": "#### 0"},  # line 1
+        {"question": None, "answer": "#### 1"},  # line 2: null question
+        {"question": "q2", "answer": "#### 2"},  # line 3
+        {"answer": "#### 3"},  # line 4: no question at all (pyarrow fills null)
+        {"question": "  ", "answer": "#### 4"},  # line 5: blank question
+        {"question": "q5", "answer": None},  # line 6: null answer
+        {"question": "q6", "answer": "#### 6"},  # line 7
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with caplog.at_level("WARNING", logger="rlkit.data"):
+        train, _ = load_splits(DataConfig(path=str(f), eval_size=0))
+    assert train["question"] == ["q0", "q2", "q6"]  # never the text "None"
+    assert "skipped 4 of 7 rows" in caplog.text
+    assert f"{f}:2: data.prompt_key 'question' is None" in caplog.text
+    assert f"{f}:4: data.prompt_key 'question' is None" in caplog.text
+    assert f"{f}:5: data.prompt_key 'question' is '  '" in caplog.text
+    assert f"{f}:6: data.answer_key 'answer' is None" in caplog.text
+    f.write_text(json.dumps({"question": None, "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=rf"no usable row .*{f}:1: data.prompt_key 'question' is None"):
+        load_splits(DataConfig(path=str(f), eval_size=0))
+
+
+def test_unreadable_csv_names_the_file(tmp_path):
+    from rlkit.data import DataError
+
+    f = tmp_path / "empty.csv"
+    f.write_text("")
+    with pytest.raises(DataError, match=rf"could not read data.path='{f}'"):
+        load_splits(DataConfig(path=str(f), eval_size=0))
