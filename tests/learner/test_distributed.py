@@ -8,49 +8,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from learner_helpers import (
+    FULL_LOSS,
+    RANK_ROWS,
     assert_grads_close,
     free_port,
+    global_batch,
     init_worker_env,
     learner_grads,
-    make_batch,
     reference_grads,
     write_tiny_llama,
 )
 
 from rlkit.learner import AGG_MODES, Learner, LearnerConfig
-
-FULL_LOSS = dict(
-    dtype="float32",
-    max_grad_norm=None,
-    lr=1e-3,
-    clip_high=0.28,
-    dual_clip=3.0,
-    kl_coef=0.1,
-    kl_estimator="k3",
-    rollout_kl_coef=0.05,
-    entropy_coef=0.01,
-    max_tokens_per_microbatch=25,
-)
-
-
-def global_batch():
-    """8 rows with every field set; row 6 fully masked (zero-std group), a hole in row 1's loss mask."""
-    batch = make_batch(
-        n=8,
-        prompt_width=6,
-        response_width=8,
-        seed=5,
-        prompt_lens=[6, 5, 6, 4, 2, 1, 3, 2],
-        response_lens=[8, 7, 8, 6, 2, 1, 3, 1],
-    )
-    mask = batch.response_mask.clone()
-    mask[6] = False
-    mask[1, 2] = False
-    return batch, dataclasses.replace(batch, response_mask=mask)
-
-
-# Rank 0 gets the four long rows (several micro-batches), rank 1 the four short ones (one micro-batch).
-RANK_ROWS = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
 
 
 def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
