@@ -816,7 +816,13 @@ class Learner:
         yield from iter_full_parameters(self.accelerator.unwrap_model(self.model))
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """`dir/model` (HF format), `dir/value_model` (critic), `dir/state` (optimizer, schedulers, RNG)."""
+        """`dir/model` (HF format), `dir/value_model` (critic), `dir/state` (optimizer, schedulers, RNG).
+
+        Every rank must call it. Under FSDP2 `dir/state` holds sharded DCP checkpoints (each rank writes
+        its own shards) instead of one full copy. Ordering: the main process writes the HF files and the
+        unsharded state files alone, so the closing barrier keeps every rank from returning (and, say,
+        loading the checkpoint) while the main process is still writing it.
+        """
         directory = Path(directory)
         acc = self.accelerator
         for name, model in (("model", self.model), ("value_model", self.value_model)):
@@ -830,7 +836,11 @@ class Learner:
         acc.wait_for_everyone()
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote (weights, optimizer and scheduler states, RNG)."""
+        """Restore what `save_checkpoint` wrote (weights, optimizer and scheduler states, RNG).
+
+        Every rank must call it, with the world size of the save (RNG states are per rank).
+        """
+        self.accelerator.wait_for_everyone()  # no rank reads before every rank is done writing
         self.accelerator.load_state(str(Path(directory) / "state"))
         self.global_step = self.scheduler.last_epoch
 

@@ -10,7 +10,10 @@ import torch.multiprocessing as mp
 from learner_helpers import (
     FULL_LOSS,
     RANK_ROWS,
+    RESUME,
     assert_grads_close,
+    assert_resume_exact,
+    four_steps_then_two_plus_two,
     free_port,
     global_batch,
     init_worker_env,
@@ -36,6 +39,9 @@ def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: 
     learner = Learner(LearnerConfig(model_path=model_dir, **FULL_LOSS))
     metrics = learner.update(local)
     results["update"] = {"metrics": metrics, "weights": dict(learner.named_weights())}
+    cfg = LearnerConfig(model_path=model_dir, **{**FULL_LOSS, **RESUME})
+    results["resume"] = {}
+    four_steps_then_two_plus_two(lambda: Learner(cfg), rank, f"{out_dir}/ckpt", results["resume"])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -88,6 +94,10 @@ def test_padding_microbatches_do_not_dilute_metrics(ddp_results, tiny_model_dir)
     for k, v in dict(single.named_weights()).items():
         torch.testing.assert_close(ddp_results[0]["update"]["weights"][k], v, atol=1e-6, rtol=1e-5, msg=k)
         torch.testing.assert_close(ddp_results[1]["update"]["weights"][k], v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_four_steps_equal_two_plus_resume_plus_two_under_ddp(ddp_results):
+    assert_resume_exact([r["resume"] for r in ddp_results])
 
 
 def test_padding_microbatch_carries_every_field_with_mask_zero():
