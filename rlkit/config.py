@@ -35,6 +35,7 @@ LR_SCHEDULES = ["constant", "cosine"]
 LOGGERS = ["wandb", "console", "none"]
 TEMPLATES = ["chat", "plain"]
 DEVICES = ["auto", "cpu", "cuda"]
+STRATEGIES = ["auto", "fsdp2", "ddp"]
 ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")  # problem types of rlkit.data's generated set
 
 
@@ -264,6 +265,8 @@ class TrainerConfig:
     """Processes to start (null = one per visible GPU, 1 on CPU); >1 on CPU uses gloo."""
     device: str = "auto"
     """auto | cpu | cuda."""
+    strategy: str = "auto"
+    """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
     collective_timeout_s: float = 600.0
@@ -444,6 +447,7 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
 
     _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("trainer.device", t.device, DEVICES)
+    _choice("trainer.strategy", t.strategy, STRATEGIES)
     if t.train_batch_size % r.group_size:
         raise ConfigError(
             f"trainer.train_batch_size={t.train_batch_size} must be divisible by "

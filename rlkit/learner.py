@@ -29,8 +29,8 @@ The loss of one mini-batch (every term aggregated with `loss_agg_mode` over the 
 off-policy (`ppo_epochs * mini_batches > 1`) and absent, else `logp.detach()` (ratio 1, on-policy).
 
 Models: the policy is any causal LM transformers loads (through `rlkit.models`); the frozen
-reference (only when `kl_coef > 0`) is a second copy of the initial policy, kept unsharded in the
-compute dtype; the PPO critic (`value_model=True`) is `AutoModelForTokenClassification` with
+reference (only when `kl_coef > 0`) is a second copy of the initial policy in the compute dtype,
+sharded like the policy under FSDP2 (a full copy per rank otherwise); the PPO critic (`value_model=True`) is `AutoModelForTokenClassification` with
 `num_labels=1` on the same checkpoint: the transformer backbone plus a freshly initialised
 Linear(hidden, 1) "score" head, i.e. one scalar per position.
 """
@@ -63,6 +63,7 @@ KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 SCHEDULERS_FILE = "schedulers.json"  # LR scheduler states, in a checkpoint's state/ directory
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
+STRATEGIES = ("auto", "fsdp2", "ddp")
 
 # Module names that wrappers (FSDP1, DDP, torch.compile, activation checkpointing) insert into
 # parameter names; the rollout engines expect the plain transformers names.
@@ -76,7 +77,9 @@ class LearnerConfig:
     model_path: str = "smollm2-135m"
     """Policy checkpoint: a local HF directory, a hub id, or a short name `rlkit.models` resolves."""
     dtype: str = "bfloat16"
-    """"bfloat16": fp32 master weights with bf16 mixed precision on CUDA (fp32 on CPU); "float32": fp32 throughout."""
+    """"bfloat16": fp32 master weights with bf16 mixed precision on CUDA or under FSDP2 (else fp32 on CPU); "float32": fp32 throughout."""
+    strategy: str = "auto"
+    """Data-parallel wrapper with several processes: "auto" (FSDP2 on CUDA, DDP on CPU), "fsdp2" or "ddp"."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (transformers' gradient checkpointing, non-reentrant)."""
     lr: float = 1e-6
@@ -143,6 +146,10 @@ class LearnerConfig:
                 raise ValueError(f"learner.{key}={value!r} is not valid; choose one of {list(valid)}")
 
         choice("dtype", DTYPES)
+        if self.strategy not in STRATEGIES:  # a trainer key: named as such
+            raise ValueError(
+                f"trainer.strategy={self.strategy!r} is not valid; choose one of {list(STRATEGIES)}"
+            )
         choice("lr_schedule", LR_SCHEDULES)
         choice("policy_loss", POLICY_LOSSES)
         choice("loss_agg_mode", AGG_MODES)
@@ -337,28 +344,83 @@ def _padding_micro(batch) -> _Micro:
 # ---------------------------------------------------------------------------------------------
 
 
+def resolve_strategy(strategy: str, *, cuda: bool, world_size: int) -> str:
+    """The data-parallel wrapper actually used: "fsdp2", "ddp" or "none".
+
+    "auto" is FSDP2 on CUDA and DDP over gloo for several CPU processes. One process has nothing to
+    shard or average: it runs plain whatever was asked (as accelerate does with one GPU).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"trainer.strategy={strategy!r} is not valid; choose one of {list(STRATEGIES)}")
+    if world_size == 1:
+        return "none"
+    if strategy == "auto":
+        return "fsdp2" if cuda else "ddp"
+    return strategy
+
+
 def make_accelerator(cfg: LearnerConfig):
-    """FSDP2 with bf16 mixed precision on CUDA; plain (or DDP over gloo when launched multi-process) on CPU."""
+    """The accelerate `Accelerator` of `cfg.strategy` (see `resolve_strategy`), on CUDA or on CPU over gloo.
+
+    FSDP2 is accelerate's own: `prepare`, `clip_grad_norm_`, `get_state_dict`, `save_state` and
+    `load_state` run its FSDP2 branches (DTensor shards, DCP sharded checkpoints) on CPU as on CUDA.
+    accelerate 1.15 turns its FSDP plugin on only for multi-accelerator process groups, never for
+    MULTI_CPU (`AcceleratorState.__init__`). On CPU `_enable_fsdp_on_cpu` therefore runs the same three
+    assignments accelerate runs for a GPU group; nothing else is patched. What differs from CUDA:
+    the collectives go over gloo instead of NCCL, and bf16 runs on the CPU's bf16 kernels.
+
+    Precision: `dtype="bfloat16"` is fp32 master weights with bf16 compute (FSDP2's
+    MixedPrecisionPolicy; autocast under DDP on CUDA). On CPU without FSDP2 it stays fp32.
+    """
     from datetime import timedelta
 
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 
+    cuda = torch.cuda.is_available()
+    # PartialState joins the process group (gloo on CPU) and is shared by the Accelerator built below.
     # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))]
-    if torch.cuda.is_available():
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2,
-            auto_wrap_policy="transformer_based_wrap",
-            reshard_after_forward=True,
-            state_dict_type="SHARDED_STATE_DICT",
-        )
-        return Accelerator(
-            mixed_precision="bf16" if cfg.dtype == "bfloat16" else "no",
-            fsdp_plugin=plugin,
-            kwargs_handlers=handlers,
-        )
-    return Accelerator(cpu=True, kwargs_handlers=handlers)
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    world_size = PartialState(cpu=not cuda, timeout=timeout).num_processes
+    strategy = resolve_strategy(cfg.strategy, cuda=cuda, world_size=world_size)
+    bf16 = cfg.dtype == "bfloat16" and (cuda or strategy == "fsdp2")
+    mixed_precision = "bf16" if bf16 else "no"
+    if strategy != "fsdp2":
+        return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    acc = Accelerator(cpu=not cuda, mixed_precision=mixed_precision, fsdp_plugin=plugin)
+    if not cuda:
+        _enable_fsdp_on_cpu(acc, plugin)
+    if not acc.is_fsdp2:
+        raise RuntimeError(f"trainer.strategy=fsdp2 but accelerate chose {acc.distributed_type}")
+    return acc
+
+
+def _enable_fsdp_on_cpu(acc, plugin) -> None:
+    """Switch a MULTI_CPU accelerate state to FSDP, as `AcceleratorState.__init__` does for GPU groups.
+
+    The state is shared by every Accelerator/AcceleratorState/PartialState of the process, so the
+    Accelerator's `prepare`, `clip_grad_norm_`, `get_state_dict`, `save_state` and `load_state` all
+    take their FSDP2 branches from here on.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = acc.state
+    if state.distributed_type not in (
+        DistributedType.MULTI_CPU,
+        DistributedType.FSDP,
+    ):  # FSDP: a 2nd Accelerator
+        raise RuntimeError(f"FSDP2 on CPU expects accelerate's MULTI_CPU state, got {state.distributed_type}")
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def _load_causal_lm(path: str, dtype: torch.dtype, device):
@@ -413,9 +475,7 @@ class Learner:
         acc = self.accelerator
         self.device = acc.device
         self.world_size = acc.num_processes
-        self.compute_dtype = (
-            torch.bfloat16 if (cfg.dtype == "bfloat16" and self.device.type == "cuda") else torch.float32
-        )
+        self.compute_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
 
         # fp32 master weights; accelerate casts compute to bf16 under mixed precision.
         policy = _load_causal_lm(cfg.model_path, torch.float32, "cpu")
@@ -424,8 +484,7 @@ class Learner:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = None
         if cfg.kl_coef > 0 or cfg.load_reference:
-            self.ref_model = _load_causal_lm(cfg.model_path, self.compute_dtype, self.device).eval()
-            self.ref_model.requires_grad_(False)
+            self.ref_model = self._prepare_frozen(_load_causal_lm(cfg.model_path, self.compute_dtype, "cpu"))
 
         optimizer = self._adamw(policy)
         self.model, self.optimizer = acc.prepare(policy, optimizer)
@@ -443,6 +502,17 @@ class Learner:
         self.global_step = 0
         self.num_microbatches: list[int] = []
         """Micro-batches run per mini-batch (padding included), appended by every backward pass; for tests."""
+
+    def _prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The frozen reference: under FSDP2 sharded like the policy (each rank holds 1/world of it and
+        all-gathers one block at a time in forward), else a full copy on this rank's device."""
+        model.requires_grad_(False)  # before sharding: accelerate upcasts only trainable params to fp32
+        model.eval()
+        if self.accelerator.is_fsdp2:
+            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+            return fsdp2_prepare_model(self.accelerator, model)
+        return model.to(self.device)
 
     def _adamw(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         c = self.cfg
@@ -753,7 +823,13 @@ class Learner:
         yield from iter_full_parameters(self.accelerator.unwrap_model(self.model))
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """`dir/model` (HF format), `dir/value_model` (critic), `dir/state` (optimizer, schedulers, RNG)."""
+        """`dir/model` (HF format), `dir/value_model` (critic), `dir/state` (optimizer, schedulers, RNG).
+
+        Every rank must call it. Under FSDP2 `dir/state` holds sharded DCP checkpoints (each rank writes
+        its own shards) instead of one full copy. Ordering: the main process writes the HF files and the
+        unsharded state files alone, so the closing barrier keeps every rank from returning (and, say,
+        loading the checkpoint) while the main process is still writing it.
+        """
         directory = Path(directory)
         acc = self.accelerator
         for name, model in (("model", self.model), ("value_model", self.value_model)):
@@ -777,7 +853,9 @@ class Learner:
         Nothing in a checkpoint can run code: tensors load with torch's `weights_only=True` (accelerate's
         default), the schedulers from JSON; a checkpoint holding pickled objects (accelerate's
         `custom_checkpoint_*.pkl`, which it unpickles with `weights_only=False`) is refused.
+        Every rank must call it, with the world size of the save (RNG states are per rank).
         """
+        self.accelerator.wait_for_everyone()  # no rank reads before every rank is done writing
         state = Path(directory) / "state"
         pickled = sorted(p.name for p in state.glob("custom_checkpoint_*.pkl"))
         if pickled:

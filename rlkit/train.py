@@ -57,7 +57,7 @@ def _worker(config: dict) -> None:
     """Entry of each process started by `launch` (module level so it can be pickled)."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # Processes share the cores; without this each one starts a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     from rlkit.trainer import run

@@ -72,6 +72,7 @@ def learner_config(cfg: RLConfig):
     return LearnerConfig(
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,
+        strategy=t.strategy,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         lr=t.lr,
         weight_decay=t.weight_decay,

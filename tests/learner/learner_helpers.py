@@ -3,6 +3,7 @@ reference computations (no learner code), and the environment of spawned gloo wo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -177,3 +178,87 @@ def assert_grads_close(got: dict, expected: dict, atol: float = 1e-5) -> None:
         torch.testing.assert_close(
             got[name], expected[name], atol=atol, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+# -- the 2-process setup shared by the DDP and FSDP2 tests ----------------------------------------
+
+FULL_LOSS = dict(
+    dtype="float32",
+    max_grad_norm=None,
+    lr=1e-3,
+    clip_high=0.28,
+    dual_clip=3.0,
+    kl_coef=0.1,
+    kl_estimator="k3",
+    rollout_kl_coef=0.05,
+    entropy_coef=0.01,
+    max_tokens_per_microbatch=25,
+)
+
+
+def global_batch():
+    """8 rows with every field set; row 6 fully masked (zero-std group), a hole in row 1's loss mask."""
+    batch = make_batch(
+        n=8,
+        prompt_width=6,
+        response_width=8,
+        seed=5,
+        prompt_lens=[6, 5, 6, 4, 2, 1, 3, 2],
+        response_lens=[8, 7, 8, 6, 2, 1, 3, 1],
+    )
+    mask = batch.response_mask.clone()
+    mask[6] = False
+    mask[1, 2] = False
+    return batch, dataclasses.replace(batch, response_mask=mask)
+
+
+# Rank 0 gets the four long rows (several micro-batches), rank 1 the four short ones (one micro-batch).
+RANK_ROWS = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+# The 4-step runs: on top of FULL_LOSS, a learning rate that moves the weights, a schedule, the critic.
+RESUME = dict(lr=1e-2, warmup_steps=1, lr_schedule="cosine", total_steps=4, value_model=True)
+
+
+def step_batches():
+    """Four global batches of 8 rows (every field set) for the 4-step / 2+2-step runs."""
+    return [make_batch(n=8, prompt_width=6, response_width=8, seed=10 + k) for k in range(4)]
+
+
+def local_rows(batch, rank: int):
+    return batch.select(RANK_ROWS[rank])
+
+
+def four_steps_then_two_plus_two(make_learner, rank: int, ckpt_dir: str, out: dict):
+    """In a worker: 4 updates in one learner; 2 updates, checkpoint, a fresh learner loads it, 2 more.
+
+    Fills `out` (metrics, gathered weights) and returns the 4-step learner.
+    """
+    batches = [local_rows(b, rank) for b in step_batches()]
+    straight = make_learner()
+    out["straight"] = [straight.update(b) for b in batches]
+    out["straight_weights"] = dict(straight.named_weights())
+    first = make_learner()
+    for b in batches[:2]:
+        first.update(b)
+    first.save_checkpoint(ckpt_dir)
+    out["saved_weights"] = dict(first.named_weights())
+    resumed = make_learner()
+    resumed.load_checkpoint(ckpt_dir)
+    out["resumed"] = [resumed.update(b) for b in batches[2:]]
+    out["resumed_weights"] = dict(resumed.named_weights())
+    out["resumed_step"] = resumed.global_step
+    return straight
+
+
+def assert_resume_exact(ranks: list[dict]) -> None:
+    """Steps 3-4 after the resume equal steps 3-4 of the straight run, bit for bit, on every rank."""
+    for r in ranks:
+        assert r["resumed_step"] == 4
+        for step in (0, 1):
+            got, expected = r["resumed"][step], r["straight"][step + 2]
+            for k, v in expected.items():
+                if k != "learner/tokens_per_s":
+                    assert torch.equal(got[k], v) or torch.isnan(v).all(), (step, k, got[k], v)
+        for k, v in r["straight_weights"].items():
+            assert torch.equal(r["resumed_weights"][k], v), k

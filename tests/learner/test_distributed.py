@@ -8,49 +8,21 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from learner_helpers import (
+    FULL_LOSS,
+    RANK_ROWS,
+    RESUME,
     assert_grads_close,
+    assert_resume_exact,
+    four_steps_then_two_plus_two,
     free_port,
+    global_batch,
     init_worker_env,
     learner_grads,
-    make_batch,
     reference_grads,
     write_tiny_llama,
 )
 
 from rlkit.learner import AGG_MODES, Learner, LearnerConfig
-
-FULL_LOSS = dict(
-    dtype="float32",
-    max_grad_norm=None,
-    lr=1e-3,
-    clip_high=0.28,
-    dual_clip=3.0,
-    kl_coef=0.1,
-    kl_estimator="k3",
-    rollout_kl_coef=0.05,
-    entropy_coef=0.01,
-    max_tokens_per_microbatch=25,
-)
-
-
-def global_batch():
-    """8 rows with every field set; row 6 fully masked (zero-std group), a hole in row 1's loss mask."""
-    batch = make_batch(
-        n=8,
-        prompt_width=6,
-        response_width=8,
-        seed=5,
-        prompt_lens=[6, 5, 6, 4, 2, 1, 3, 2],
-        response_lens=[8, 7, 8, 6, 2, 1, 3, 1],
-    )
-    mask = batch.response_mask.clone()
-    mask[6] = False
-    mask[1, 2] = False
-    return batch, dataclasses.replace(batch, response_mask=mask)
-
-
-# Rank 0 gets the four long rows (several micro-batches), rank 1 the four short ones (one micro-batch).
-RANK_ROWS = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
 
 
 def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -67,6 +39,9 @@ def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: 
     learner = Learner(LearnerConfig(model_path=model_dir, **FULL_LOSS))
     metrics = learner.update(local)
     results["update"] = {"metrics": metrics, "weights": dict(learner.named_weights())}
+    cfg = LearnerConfig(model_path=model_dir, **{**FULL_LOSS, **RESUME})
+    results["resume"] = {}
+    four_steps_then_two_plus_two(lambda: Learner(cfg), rank, f"{out_dir}/ckpt", results["resume"])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -119,6 +94,10 @@ def test_padding_microbatches_do_not_dilute_metrics(ddp_results, tiny_model_dir)
     for k, v in dict(single.named_weights()).items():
         torch.testing.assert_close(ddp_results[0]["update"]["weights"][k], v, atol=1e-6, rtol=1e-5, msg=k)
         torch.testing.assert_close(ddp_results[1]["update"]["weights"][k], v, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_four_steps_equal_two_plus_resume_plus_two_under_ddp(ddp_results):
+    assert_resume_exact([r["resume"] for r in ddp_results])
 
 
 def test_padding_microbatch_carries_every_field_with_mask_zero():
