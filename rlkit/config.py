@@ -216,7 +216,11 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     max_tokens_per_microbatch: int = 8192
-    """Token budget (prompt + response) per learner micro-batch."""
+    """Token budget (prompt + response) per learner micro-batch; real tokens when pack_sequences, else padded."""
+    pack_sequences: bool = True
+    """Learner runs each micro-batch as one padding-free sequence (attention kept inside each row)."""
+    logprob_chunk_tokens: int = 1024
+    """Positions per chunk through the LM head for log-probs / entropy (memory ~ chunk x vocab); 0 = full logits."""
     seed: int = 0
     """Seed for data order, sampling and model init."""
     eval_every: int = 0
