@@ -64,8 +64,33 @@ def _chunk_stats(z: Tensor, targets: Tensor, top_k: int, top_p: float):
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), logp_all, p, entropy
 
 
+def _chunk_logits(h: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float):
+    """A chunk's scaled logits z [c, V] float32 (-inf outside the kept set), its logsumexp [c, 1], and
+    whether anything was truncated. z is a fresh buffer: the caller may overwrite it."""
+    z = (h.to(weight.dtype) @ weight.t()).float()
+    z = z.div_(temperature) if temperature != 1.0 else z
+    keep = truncation_mask(z, top_k, top_p)
+    if keep is not None:
+        keep.scatter_(-1, targets[:, None], True)  # the sampled token always counts as kept
+        z.masked_fill_(~keep, float("-inf"))
+    return z, torch.logsumexp(z, -1, keepdim=True), keep is not None
+
+
+def _probs_and_entropy(z: Tensor, lse: Tensor, truncated: bool) -> tuple[Tensor, Tensor]:
+    """p = softmax [c, V] (a new buffer) and entropy [c]; z becomes log p in place (0 outside K)."""
+    z.sub_(lse)
+    p = torch.exp(z)
+    if truncated:
+        z.nan_to_num_(neginf=0.0)  # log p = -inf outside K; p is 0 there, so p * log p must be 0
+    return p, -torch.bmm(p[:, None, :], z[:, :, None]).view(-1)  # row-wise dot, no [c, V] temporary
+
+
 class _ChunkedHead(torch.autograd.Function):
-    """(hidden [M, H], weight [V, H]) -> (logp [M], entropy [M]) with O(chunk x V) memory both ways."""
+    """(hidden [M, H], weight [V, H]) -> (logp [M], entropy [M]) with O(chunk x V) memory both ways.
+
+    At most two [chunk, V] float32 buffers live at once (the logits, turned in place into log-probs
+    and then into the gradient, and the probabilities); nothing of size V is kept for backward.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, top_k, top_p, entropy_grad):
@@ -73,9 +98,10 @@ class _ChunkedHead(torch.autograd.Function):
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(m, dtype=torch.float32, device=hidden.device)
         for s in range(0, m, chunk):
-            z = (hidden[s : s + chunk].to(weight.dtype) @ weight.t()).float() / temperature
-            lp, _, _, h = _chunk_stats(z, targets[s : s + chunk], top_k, top_p)
-            logp[s : s + chunk], ent[s : s + chunk] = lp, h
+            t = targets[s : s + chunk]
+            z, lse, truncated = _chunk_logits(hidden[s : s + chunk], weight, t, temperature, top_k, top_p)
+            logp[s : s + chunk] = z.gather(-1, t[:, None]).squeeze(-1) - lse.squeeze(-1)
+            _, ent[s : s + chunk] = _probs_and_entropy(z, lse, truncated)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.args = (temperature, chunk, top_k, top_p)
         if not entropy_grad:
@@ -89,17 +115,22 @@ class _ChunkedHead(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, hidden.shape[0], chunk):
+            t, gl = targets[s : s + chunk], grad_logp[s : s + chunk, None]
             h_c = hidden[s : s + chunk].to(weight.dtype)
-            z = (h_c @ weight.t()).float() / temperature
-            _, logp_all, p, ent = _chunk_stats(z, targets[s : s + chunk], top_k, top_p)
-            g = -p * grad_logp[s : s + chunk, None]
-            g.scatter_add_(-1, targets[s : s + chunk, None], grad_logp[s : s + chunk, None])
+            z, lse, truncated = _chunk_logits(h_c, weight, t, temperature, top_k, top_p)
+            p, ent = _probs_and_entropy(z, lse, truncated)  # z is now log p
+            # dL/dz = gl * (onehot - p) - ge * p * (log p + H), built in z's buffer.
             if grad_ent is not None:
-                g -= grad_ent[s : s + chunk, None] * p * (logp_all + ent[:, None])
-            g = (g / temperature).to(weight.dtype)
+                ge = grad_ent[s : s + chunk, None]
+                g = z.add_(ent[:, None]).mul_(-ge).sub_(gl).mul_(p)
+            else:
+                g = torch.mul(p, gl, out=z).neg_()
+            del p
+            g.scatter_add_(-1, t[:, None], gl)
+            g = g.div_(temperature) if temperature != 1.0 else g
             if grad_h is not None:
-                grad_h[s : s + chunk] = (g @ weight).to(hidden.dtype)
-            grad_w += (g.t() @ h_c).float()
+                grad_h[s : s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            grad_w.addmm_(g.t(), h_c.float())
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_h, grad_w, None, None, None, None, None, None
 

@@ -65,8 +65,9 @@ def test_chunked_logprobs_entropy_and_gradients_equal_full_log_softmax(top_k, to
     ref_ent = -(ls.exp() * torch.where(kept, ls, 0.0)).sum(-1)
     (ref_logp * a + ref_ent * b).sum().backward()
     want = (ref_logp.detach(), ref_ent.detach(), hidden.grad, weight.grad)
-    for x, y in zip(got, want):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    # float32 both ways: values to 1e-6; gradients (sums over the vocabulary) to 1e-4 relative.
+    for x, y, rtol in zip(got, want, [1e-6, 1e-6, 1e-4, 1e-4]):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=1e-6)
     assert torch.isfinite(logp).all()  # the target is always in the kept set
 
 
