@@ -88,9 +88,9 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the learner scores log-probs at the same temperature)."""
     top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off)."""
+    """Nucleus sampling mass (1.0 = off); the learner scores the same truncated, renormalised distribution."""
     top_k: int = 0
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); the learner scores the same truncated, renormalised distribution."""
     max_new_tokens: int = 512
     """Response length cap; longer responses are clipped (finish reason `length`)."""
     stop: list[str] = field(default_factory=list)

@@ -26,6 +26,7 @@ CUDA it is `torch.cuda.max_memory_allocated` minus the allocation before the tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import tempfile
@@ -98,14 +99,17 @@ class RSSPeak:
 
 
 def quickstart_batch(tokens: int, vocab: int, seed: int):
-    """Rows with the quickstart's mixed lengths (prompt 30-60, response 1-32) until ~`tokens` real tokens."""
+    """Rows with the quickstart's mixed lengths (prompt 30-60, response 1-32), at most `tokens` real tokens."""
     from rlkit.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     plens, rlens = [], []
-    while sum(plens) + sum(rlens) < tokens:
-        plens.append(int(torch.randint(30, 61, (1,), generator=g)))
-        rlens.append(int(torch.randint(1, 33, (1,), generator=g)))
+    while True:
+        p, r = int(torch.randint(30, 61, (1,), generator=g)), int(torch.randint(1, 33, (1,), generator=g))
+        if sum(plens) + sum(rlens) + p + r > tokens:
+            break
+        plens.append(p)
+        rlens.append(r)
     n, pw, rw = len(plens), max(plens), max(rlens)
     prompt_mask = torch.arange(pw)[None] >= (pw - torch.tensor(plens))[:, None]
     response_mask = torch.arange(rw)[None] < torch.tensor(rlens)[:, None]
@@ -181,7 +185,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        cfg = LearnerConfig(
+        kwargs = dict(
             model_path=tmp,
             dtype=args.dtype,
             gradient_checkpointing=args.gradient_checkpointing,
@@ -192,7 +196,9 @@ def main() -> None:
             kl_coef=args.kl_coef,
             seed=args.seed,
         )
-        learner = Learner(cfg)
+        # Keys an older checkout lacks are dropped, so PYTHONPATH=<old checkout> measures its learner.
+        known = {f.name for f in dataclasses.fields(LearnerConfig)}
+        learner = Learner(LearnerConfig(**{k: v for k, v in kwargs.items() if k in known}))
     acc = learner.accelerator
     n_params = sum(p.numel() for p in acc.unwrap_model(learner.model).parameters())
     if args.tokens:
