@@ -92,9 +92,9 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the learner scores log-probs at the same temperature)."""
     top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off)."""
+    """Nucleus sampling mass (1.0 = off); the learner scores the same truncated, renormalised distribution."""
     top_k: int = 0
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); the learner scores the same truncated, renormalised distribution."""
     max_new_tokens: int = 512
     """Response length cap; longer responses are clipped (finish reason `length`)."""
     stop: list[str] = field(default_factory=list)
@@ -246,7 +246,11 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping norm (> 0; `inf` = no clipping, the norm is still logged)."""
     max_tokens_per_microbatch: int = 8192
-    """Token budget (prompt + response) per learner micro-batch."""
+    """Token budget (prompt + response) per learner micro-batch; real tokens when pack_sequences, else padded."""
+    pack_sequences: bool = True
+    """Learner runs each micro-batch as one padding-free sequence (attention kept inside each row)."""
+    logprob_chunk_tokens: int = 1024
+    """Positions per chunk through the LM head for log-probs / entropy (memory ~ chunk x vocab); 0 = full logits."""
     seed: int = 0
     """Seed for data order, sampling and model init."""
     eval_every: int = 0

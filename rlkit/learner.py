@@ -51,8 +51,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from rlkit.batch import Sequences, TrainBatch
+from rlkit.logprobs import chunked_logprobs, logprobs_from_logits
 from rlkit.metrics import MetricMerger
 
 log = logging.getLogger(__name__)
@@ -97,9 +99,17 @@ class LearnerConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value; None = no clipping (the norm is still logged)."""
     max_tokens_per_microbatch: int = 8192
-    """Token budget of one micro-batch, counted with padding (rows x (longest prompt + longest response))."""
+    """Token budget of one micro-batch: real tokens when `pack_sequences`, else rows x (longest prompt + longest response)."""
+    pack_sequences: bool = True
+    """Run each micro-batch as one padding-free sequence (position ids restart per row, attention stays in the row)."""
+    logprob_chunk_tokens: int = 1024
+    """Positions per chunk through the LM head for log-probs / entropy (memory ~ chunk x vocab); 0 = full logits."""
     temperature: float = 1.0
     """Sampling temperature of the rollout engine; log-probs are log_softmax(logits / temperature)."""
+    top_k: int = 0
+    """Rollout top-k (0 = off): log-probs are over the tokens top-k keeps, renormalised, as the engines sample."""
+    top_p: float = 1.0
+    """Rollout top-p (1 = off): log-probs are over the tokens top-p keeps (after top-k), renormalised."""
     policy_loss: str = "ppo_clip"
     """"ppo_clip", "gspo" or "cispo" (see rlkit.algos.losses)."""
     clip_low: float = 0.2
@@ -172,6 +182,11 @@ class LearnerConfig:
                 raise ValueError(f"learner.{key}={getattr(self, key)!r} must be >= 0")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"learner.dual_clip={self.dual_clip!r} must be > 1 (or None = off)")
+        if self.logprob_chunk_tokens < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"learner.logprob_chunk_tokens={self.logprob_chunk_tokens!r} and learner.top_k={self.top_k!r} "
+                f"must be >= 0, learner.top_p={self.top_p!r} in (0, 1]"
+            )
         if self.norm_len is not None and not self.norm_len > 0:
             raise ValueError(f"learner.norm_len={self.norm_len!r} must be > 0 (or None)")
         self.betas = tuple(self.betas)
@@ -201,25 +216,29 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def pack_microbatches(prompt_lens: list[int], response_lens: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing of rows into micro-batches whose padded size fits `max_tokens`.
+def pack_microbatches(
+    prompt_lens: list[int], response_lens: list[int], max_tokens: int, *, padded: bool = True
+) -> list[list[int]]:
+    """Greedy packing of rows into micro-batches whose size fits `max_tokens`.
 
-    A micro-batch's padded size is rows x (longest prompt + longest response), the tensor the model
-    actually sees after trimming. Rows are taken longest first and appended to the current bin while
-    the padded size stays within budget; a row longer than the budget gets a bin of its own.
+    The size is what the model sees: with `padded`, rows x (longest prompt + longest response) (the
+    tensor after trimming); without, the real tokens, sum of (prompt + response) (one packed
+    sequence). Rows are taken longest first and appended to the current bin while the size stays
+    within budget; a row longer than the budget gets a bin of its own.
     Returns lists of row indices (each sorted ascending).
     """
     order = sorted(range(len(prompt_lens)), key=lambda i: prompt_lens[i] + response_lens[i], reverse=True)
     bins: list[list[int]] = []
     cur: list[int] = []
-    max_p = max_r = 0
+    max_p = max_r = real = 0
     for i in order:
         p, r = max(max_p, prompt_lens[i]), max(max_r, response_lens[i])
-        if cur and (len(cur) + 1) * (p + r) > max_tokens:
+        size = (len(cur) + 1) * (p + r) if padded else real + prompt_lens[i] + response_lens[i]
+        if cur and size > max_tokens:
             bins.append(sorted(cur))
-            cur, p, r = [], prompt_lens[i], response_lens[i]
+            cur, p, r, real = [], prompt_lens[i], response_lens[i], 0
         cur.append(i)
-        max_p, max_r = p, r
+        max_p, max_r, real = p, r, real + prompt_lens[i] + response_lens[i]
     if cur:
         bins.append(sorted(cur))
     return bins
@@ -260,35 +279,6 @@ def iter_full_parameters(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]
         yield clean_param_name(name), full.detach()
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """log_softmax(logits / temperature) at `targets`, without materialising the log-softmax.
-
-    logits [n, t, V] (any float dtype), targets [n, t] long -> (logp [n, t] float32, scaled logits z
-    [n, t, V] float32, kept for the entropy). logsumexp + gather equals gathering log_softmax but saves
-    one full-vocabulary tensor.
-    """
-    z = logits.float() / temperature
-    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    return logp, z
-
-
-def entropy_from_logits(z: Tensor, *, chunk_tokens: int = 1024) -> Tensor:
-    """Entropy of softmax(z) per position, [n, t, V] -> [n, t].
-
-    With grad enabled (entropy bonus) it is one expression; without grad it runs over chunks of
-    positions so the softmax never exists for the whole batch at once.
-    """
-    if torch.is_grad_enabled() and z.requires_grad:
-        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-    flat = z.detach().reshape(-1, z.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=z.dtype, device=z.device)
-    with torch.no_grad():
-        for s in range(0, flat.shape[0], chunk_tokens):
-            c = flat[s : s + chunk_tokens]
-            out[s : s + chunk_tokens] = torch.logsumexp(c, -1) - (torch.softmax(c, -1) * c).sum(-1)
-    return out.view(z.shape[:-1])
-
-
 # ---------------------------------------------------------------------------------------------
 # Micro-batches
 
@@ -302,6 +292,8 @@ class _Micro:
     """Row indices into the (mini-)batch; None for a padding micro-batch."""
     prompt_len: int
     response_len: int
+    lens: tuple[tuple[int, int], ...]
+    """Each row's (prompt length, response extent), host ints: the packed layout and the scored positions."""
 
     @property
     def padding(self) -> bool:
@@ -316,7 +308,7 @@ def _lengths(prompt_mask: Tensor, response_mask: Tensor) -> tuple[list[int], lis
     return both[0].tolist(), both[1].tolist()
 
 
-def _microbatches(batch, max_tokens: int, *, skip_empty: bool = False) -> list[_Micro]:
+def _microbatches(batch, max_tokens: int, *, skip_empty: bool = False, packed: bool = False) -> list[_Micro]:
     """Pack `batch`'s rows into token-budget micro-batches, each trimmed to its own widths.
 
     With `skip_empty`, rows without a single loss token (zero-std groups, rejected samples) are left
@@ -326,19 +318,117 @@ def _microbatches(batch, max_tokens: int, *, skip_empty: bool = False) -> list[_
     plens, rlens = _lengths(batch.prompt_mask, batch.response_mask)
     keep = [i for i, r in enumerate(rlens) if r > 0 or not skip_empty]
     micros = []
-    for packed in pack_microbatches([plens[i] for i in keep], [rlens[i] for i in keep], max_tokens):
-        rows = [keep[j] for j in packed]
+    bins = pack_microbatches(
+        [plens[i] for i in keep], [rlens[i] for i in keep], max_tokens, padded=not packed
+    )
+    for b in bins:
+        rows = [keep[j] for j in b]
         idx = torch.tensor(rows, dtype=torch.long, device=batch.response_ids.device)
         # At least one prompt column (the logit of response token 0 sits there) and one response column.
         p = max(1, max(plens[i] for i in rows))
         t = max(1, max(rlens[i] for i in rows))
-        micros.append(_Micro(batch.select(idx), idx, p, t))
+        micros.append(_Micro(batch.select(idx), idx, p, t, tuple((plens[i], rlens[i]) for i in rows)))
     return micros
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Model inputs of one micro-batch and where each scored token's prediction sits.
+
+    The model output at columns `cols` of every row, flattened, then indexed by `take`, gives one
+    prediction per scored token [M], in the order of `targets`; `rows` / `pos` place it in the
+    micro-batch's [n, t] response grid (every position before the row's response extent, at least one).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor | None
+    position_ids: Tensor
+    cols: Tensor
+    take: Tensor
+    targets: Tensor
+    rows: Tensor
+    pos: Tensor
+    shape: tuple[int, int]
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """[M] -> [n, t], 0 at positions not scored (differentiable, out of place)."""
+        out = torch.zeros(self.shape, dtype=values.dtype, device=values.device)
+        return out.index_put((self.rows, self.pos), values)
+
+
+def _model_inputs(m: _Micro, *, packed: bool, device) -> _Inputs:
+    """Padded: [n, P+t] with left-padded prompts (as today's HF generate numbers them). Packed: one
+    [1, sum of real tokens] sequence, position ids restarting at 0 on each row and no attention mask,
+    so transformers' mask builders (sdpa, eager, flex) and flash-attention's varlen path keep attention
+    inside each row (they detect the restarts in position_ids)."""
+    p_max, t, b = m.prompt_len, m.response_len, m.batch
+    scored = [max(1, r) for _, r in m.lens]
+    rows = torch.repeat_interleave(torch.arange(len(scored)), torch.tensor(scored))
+    pos = torch.cat([torch.arange(r) for r in scored])
+    targets = b.response_ids[:, :t].to(device)[rows.to(device), pos.to(device)]
+    if not packed:
+        targets_full = b.response_ids[:, :t].to(device)
+        input_ids = torch.cat([b.prompt_ids[:, -p_max:].to(device), targets_full], 1)
+        prompt_mask = b.prompt_mask[:, -p_max:].to(device, torch.long)
+        # The response part of the mask is all ones: responses are right-padded, so under causal
+        # attention no real token attends to a padding token after it, and a loss mask with holes
+        # (masked tokens inside a response) must not change what the model sees.
+        attn = torch.cat([prompt_mask, torch.ones_like(targets_full)], 1)
+        cols = torch.arange(p_max - 1, p_max - 1 + t)
+        take = rows * t + pos
+        pos_ids = position_ids_from_mask(attn)
+    else:
+        ids, starts = [], []
+        offset = 0
+        for i, ((p, _), r) in enumerate(zip(m.lens, scored)):
+            p = max(1, p)
+            ids += [b.prompt_ids[i, -p:], b.response_ids[i, :r]]
+            starts.append(offset + p - 1)
+            offset += p + r
+        input_ids = torch.cat(ids).to(device)[None]
+        attn = None
+        lengths = torch.tensor([max(1, p) + r for (p, _), r in zip(m.lens, scored)])
+        pos_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        cols = torch.tensor(starts)[rows] + pos
+        take = torch.arange(len(cols))
+    dev = dict(device=device)
+    return _Inputs(
+        input_ids,
+        attn,
+        pos_ids,
+        cols.to(**dev),
+        take.to(**dev),
+        targets,
+        rows.to(**dev),
+        pos.to(**dev),
+        (len(scored), t),
+    )
+
+
+def _chunkable_head(model) -> torch.nn.Module | None:
+    """The LM head if logits are exactly hidden @ head.weight.T (Llama, Qwen2, Mistral ...), else None.
+
+    Soft-capped (Gemma 2/3), scaled (Cohere, Granite) or biased heads fall back to full logits.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    cfg = getattr(model, "config", None)
+    special = [
+        getattr(cfg, "final_logit_softcapping", None),
+        getattr(cfg, "logit_scale", None),
+        getattr(cfg, "logits_scaling", None),
+    ]
+    if (
+        not isinstance(head, torch.nn.Linear)
+        or head.bias is not None
+        or any(x not in (None, 1, 1.0) for x in special)
+    ):
+        return None
+    return head
 
 
 def _padding_micro(batch) -> _Micro:
     """A padding micro-batch built generically: every field of `batch`'s first row, loss mask 0."""
-    return _Micro(batch.padding_like(1), None, 1, 1)
+    return _Micro(batch.padding_like(1), None, 1, 1, ((1, 1),))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,37 +610,51 @@ class Learner:
 
     # -- forward passes ------------------------------------------------------------------------
 
-    def _inputs(self, m: _Micro) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Trimmed model inputs of micro-batch `m`: (input_ids, attention_mask, position_ids, targets).
+    def _inputs(self, m: _Micro) -> _Inputs:
+        return _model_inputs(m, packed=self.cfg.pack_sequences, device=self.device)
 
-        The response part of the attention mask is all ones: responses are right-padded, so under
-        causal attention no real token ever attends to a padding token after it, and a loss mask with
-        holes (masked tokens inside a response) must not change what the model sees.
+    def _logprobs(
+        self, model, m: _Micro, *, entropy: bool, entropy_grad: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Response log-probs [n, t] (with grad when enabled) and per-token entropy [n, t] or None.
+
+        Both are under the distribution the engines sample from (temperature, then top-k / top-p
+        renormalised, see rlkit.logprobs). The entropy carries a gradient only with `entropy_grad`
+        (the entropy bonus); otherwise it is a logged constant and costs no memory in the graph.
         """
-        p, t, b = m.prompt_len, m.response_len, m.batch
-        targets = b.response_ids[:, :t].to(self.device)
-        input_ids = torch.cat([b.prompt_ids[:, -p:].to(self.device), targets], 1)
-        prompt_mask = b.prompt_mask[:, -p:].to(self.device, torch.long)
-        attn = torch.cat([prompt_mask, torch.ones_like(targets)], 1)
-        return input_ids, attn, position_ids_from_mask(attn), targets
-
-    def _logprobs(self, model, m: _Micro, *, entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Response log-probs [n, t] (with grad when enabled) and per-token entropy [n, t] or None."""
-        input_ids, attn, pos, targets = self._inputs(m)
-        t = m.response_len
-        # Logits only at positions P-1 .. P+t-1 (the last one dropped): lm_head sees t+1 rows, not P+t.
-        out = model(
-            input_ids=input_ids, attention_mask=attn, position_ids=pos, logits_to_keep=t + 1, use_cache=False
-        )
-        logp, z = token_logprobs(out.logits[:, :-1], targets, self.cfg.temperature)
-        return logp, (entropy_from_logits(z) if entropy else None)
+        c = self.cfg
+        inp = self._inputs(m)
+        kw = dict(input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids)
+        trunc = dict(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+        head = _chunkable_head(self.accelerator.unwrap_model(model)) if c.logprob_chunk_tokens else None
+        if head is not None:
+            # Final hidden states only (logits for one position); the head runs chunk by chunk.
+            out = model(**kw, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+            hidden = out.hidden_states[-1][:, inp.cols].flatten(0, 1)[inp.take]
+            weight = head.weight
+            if isinstance(weight, DTensor):  # FSDP2 shard outside its module's forward: gather it
+                weight = weight.full_tensor()
+            logp, ent = chunked_logprobs(
+                hidden,
+                weight,
+                inp.targets,
+                chunk_tokens=c.logprob_chunk_tokens,
+                entropy_grad=entropy_grad,
+                **trunc,
+            )
+        else:
+            out = model(**kw, logits_to_keep=inp.cols, use_cache=False)
+            logp, ent = logprobs_from_logits(out.logits.flatten(0, 1)[inp.take], inp.targets, **trunc)
+            ent = ent if entropy_grad else ent.detach()
+        return inp.scatter(logp), (inp.scatter(ent) if entropy else None)
 
     def _values(self, m: _Micro) -> Tensor:
         """Critic values [n, t]: the scalar at the position whose hidden state predicts each response token."""
-        input_ids, attn, pos, _ = self._inputs(m)
-        t = m.response_len
-        out = self.value_model(input_ids=input_ids, attention_mask=attn, position_ids=pos)
-        return out.logits[:, -(t + 1) : -1, 0].float()
+        inp = self._inputs(m)
+        out = self.value_model(
+            input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids
+        )
+        return inp.scatter(out.logits[:, inp.cols, 0].flatten(0, 1)[inp.take].float())
 
     def _sync_count(self, micros: list[_Micro], batch) -> list[_Micro]:
         """Append padding micro-batches up to the largest count over ranks (one all-reduce MAX)."""
@@ -575,7 +679,8 @@ class Learner:
         n, t_full = rows.response_ids.shape
         wanted = {"logprobs": policy, "entropy": policy, "ref_logprobs": ref, "values": values}
         out = {k: torch.zeros(n, t_full, device=self.device) for k, on in wanted.items() if on}
-        micros = self._sync_count(_microbatches(rows, self.cfg.max_tokens_per_microbatch), rows)
+        micros = _microbatches(rows, self.cfg.max_tokens_per_microbatch, packed=self.cfg.pack_sequences)
+        micros = self._sync_count(micros, rows)
         for m in micros:
             t = m.response_len
             results = {}
@@ -630,7 +735,9 @@ class Learner:
         chunks = torch.arange(batch.num_samples).tensor_split(mini_batches)
         minis = [batch.select(idx) if len(idx) else None for idx in chunks]
         micros = [
-            _microbatches(mb, c.max_tokens_per_microbatch, skip_empty=True) if mb is not None else []
+            _microbatches(mb, c.max_tokens_per_microbatch, skip_empty=True, packed=c.pack_sequences)
+            if mb is not None
+            else []
             for mb in minis
         ]
         local = torch.stack([self._local_counts(mb) for mb in minis])
@@ -759,7 +866,7 @@ class Learner:
         def token_mean(x: Tensor) -> Tensor:
             return torch.where(mask, x.detach().float(), 0.0).sum() / ntok.clamp(min=1)
 
-        logp, entropy = self._logprobs(self.model, m, entropy=True)
+        logp, entropy = self._logprobs(self.model, m, entropy=True, entropy_grad=c.entropy_coef > 0)
         old = tok("old_logprobs")
         old = logp.detach() if old is None else old
         policy_fn = {"ppo_clip": losses.ppo_clip, "gspo": losses.gspo, "cispo": losses.cispo}[c.policy_loss]
@@ -897,7 +1004,5 @@ __all__ = [
     "position_ids_from_mask",
     "clean_param_name",
     "iter_full_parameters",
-    "token_logprobs",
-    "entropy_from_logits",
     "make_accelerator",
 ]

@@ -1,17 +1,32 @@
 """Micro-benchmark of the learner: tokens/s of `Learner.update` and peak memory on a random batch.
 
     python scripts/bench_learner.py --config tiny --samples 16 --updates 3                 # CPU, seconds
+    python scripts/bench_learner.py --preset tiny-qwen-vocab --tokens 8192 --json          # memory report
+    python scripts/bench_learner.py --preset tiny-qwen-vocab --tokens 8192 --json --unchunked
     python scripts/bench_learner.py --config Qwen/Qwen2.5-0.5B --samples 64 --prompt-len 256 \\
         --response-len 1024 --updates 5 --dtype bfloat16 --gradient-checkpointing           # CUDA, bf16
 
-`--config` is a preset name (`tiny`, `qwen2.5-0.5b` / `Qwen/Qwen2.5-0.5B`: the real model's
+`--config` / `--preset` is a preset name (`tiny`; `tiny-qwen-vocab`: two narrow layers with
+Qwen2.5's 151,936-token vocabulary; `qwen2.5-0.5b` / `Qwen/Qwen2.5-0.5B`: the real model's
 dimensions) or a directory / config.json of any transformers causal LM; weights are random (no
 download). The first update is a warm-up and is not timed. Multi-GPU: `accelerate launch` it.
+
+`--tokens N` builds a batch of about N real tokens with the quickstart's mixed lengths (prompts of
+30 to 60 tokens, responses of 1 to 32) and sets the micro-batch budget to N. `--unchunked` runs the
+previous learner path as the reference: full logits (`logprob_chunk_tokens=0`) on padded
+micro-batches (`pack_sequences=false`).
+
+Peak memory on CPU: a thread samples the resident set size (/proc/self/statm) every millisecond
+during the timed updates; `peak_memory_gb` is the highest sample minus the resident size just
+before them (weights, optimizer state and batch already resident), i.e. what one update adds. Run
+one configuration per process (each invocation is one), so no allocator state carries over. On
+CUDA it is `torch.cuda.max_memory_allocated` minus the allocation before the timed updates.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import tempfile
@@ -48,6 +63,63 @@ PRESETS = {
     ),
 }
 PRESETS["qwen/qwen2.5-0.5b"] = PRESETS["qwen2.5-0.5b"]
+# Runs in seconds on a CPU while the vocabulary (the log-prob memory) is the real one.
+PRESETS["tiny-qwen-vocab"] = dict(PRESETS["qwen2.5-0.5b"], hidden_size=64, intermediate_size=128)
+PRESETS["tiny-qwen-vocab"].update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+class RSSPeak:
+    """Highest resident set size seen by a 1 ms sampling thread between start() and stop(), in bytes."""
+
+    def __init__(self):
+        import os
+        import threading
+
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.start_rss = self.peak = 0
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.rss())
+
+    def start(self):
+        self.start_rss = self.peak = self.rss()
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.start_rss
+
+
+def quickstart_batch(tokens: int, vocab: int, seed: int):
+    """Rows with the quickstart's mixed lengths (prompt 30-60, response 1-32), at most `tokens` real tokens."""
+    from rlkit.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    plens, rlens = [], []
+    while True:
+        p, r = int(torch.randint(30, 61, (1,), generator=g)), int(torch.randint(1, 33, (1,), generator=g))
+        if sum(plens) + sum(rlens) + p + r > tokens:
+            break
+        plens.append(p)
+        rlens.append(r)
+    n, pw, rw = len(plens), max(plens), max(rlens)
+    prompt_mask = torch.arange(pw)[None] >= (pw - torch.tensor(plens))[:, None]
+    response_mask = torch.arange(rw)[None] < torch.tensor(rlens)[:, None]
+    return TrainBatch(
+        prompt_ids=torch.randint(0, vocab, (n, pw), generator=g) * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(0, vocab, (n, rw), generator=g),
+        response_mask=response_mask,
+        advantages=torch.randn(n, 1, generator=g).expand(n, rw).contiguous(),
+    )
 
 
 def build_config(name: str):
@@ -88,7 +160,12 @@ def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--config", "--preset", default="tiny")
+    ap.add_argument("--tokens", type=int, default=None, help="~N real tokens, quickstart lengths; budget N")
+    ap.add_argument("--unchunked", action="store_true", help="reference: full logits, padded micro-batches")
+    ap.add_argument("--chunk", type=int, default=1024, help="logprob_chunk_tokens of the chunked path")
+    ap.add_argument("--no-pack", action="store_true", help="padded micro-batches (chunked log-probs kept)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line of results")
     ap.add_argument("--samples", type=int, default=16, help="rows per update (per process)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--response-len", type=int, default=64)
@@ -108,19 +185,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        cfg = LearnerConfig(
+        kwargs = dict(
             model_path=tmp,
             dtype=args.dtype,
             gradient_checkpointing=args.gradient_checkpointing,
             lr=1e-6,
-            max_tokens_per_microbatch=args.max_tokens,
+            max_tokens_per_microbatch=args.tokens or args.max_tokens,
+            logprob_chunk_tokens=0 if args.unchunked else args.chunk,
+            pack_sequences=not (args.unchunked or args.no_pack),
             kl_coef=args.kl_coef,
             seed=args.seed,
         )
-        learner = Learner(cfg)
+        # Keys an older checkout lacks are dropped, so PYTHONPATH=<old checkout> measures its learner.
+        known = {f.name for f in dataclasses.fields(LearnerConfig)}
+        learner = Learner(LearnerConfig(**{k: v for k, v in kwargs.items() if k in known}))
     acc = learner.accelerator
     n_params = sum(p.numel() for p in acc.unwrap_model(learner.model).parameters())
-    batch = random_batch(args.samples, args.prompt_len, args.response_len, config.vocab_size, args.seed)
+    if args.tokens:
+        batch = quickstart_batch(args.tokens, config.vocab_size, args.seed)
+    else:
+        batch = random_batch(args.samples, args.prompt_len, args.response_len, config.vocab_size, args.seed)
     if args.kl_coef > 0:
         batch = type(batch)(
             **{**batch.tensor_fields(), "ref_logprobs": torch.full(batch.response_ids.shape, -5.0)}
@@ -132,6 +216,10 @@ def main() -> None:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        sampler = RSSPeak()
+        sampler.start()
     start = time.perf_counter()
     reported = []
     for _ in range(args.updates):
@@ -141,9 +229,24 @@ def main() -> None:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     if cuda:
+        added = torch.cuda.max_memory_allocated() - base
         peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB CUDA max_memory_allocated (rank 0)"
     else:
+        added = sampler.stop()
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB CPU peak RSS (rank 0)"
+    if args.json and acc.is_main_process:
+        out = {
+            "config": args.config,
+            "path": "unchunked" if args.unchunked else ("chunked" if args.no_pack else "chunked+packed"),
+            "tokens": tokens,
+            "rows": batch.num_samples,
+            "micro_batches": learner.num_microbatches[-1],
+            "peak_memory_gb": round(added / 2**30, 3),
+            "tokens_per_s": round(tokens * args.updates / seconds, 1),
+            "seconds_per_update": round(seconds / args.updates, 3),
+        }
+        print(json.dumps(out))
+        return
     if acc.is_main_process:
         print(
             f"model {args.config} ({n_params / 1e6:.1f}M params), {acc.num_processes} process(es) on "

@@ -130,7 +130,7 @@ FULL_LOSS = dict(
 )
 def test_microbatched_gradient_equals_full_batch_gradient(tiny_model_dir, mode, policy_loss):
     cfg = config(
-        tiny_model_dir, loss_agg_mode=mode, policy_loss=policy_loss, max_tokens_per_microbatch=35, **FULL_LOSS
+        tiny_model_dir, loss_agg_mode=mode, policy_loss=policy_loss, max_tokens_per_microbatch=20, **FULL_LOSS
     )
     batch = make_batch(n=8, seed=11)
     # Make one row fully masked (as zero-std masking does) and one with a hole in its loss mask; the

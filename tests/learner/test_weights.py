@@ -85,3 +85,40 @@ def test_push_into_hf_engine_then_engine_and_learner_logprobs_agree(tokenizer_mo
     torch.testing.assert_close(
         scored[rb2.response_mask], rb2.rollout_logprobs[rb2.response_mask], atol=1e-4, rtol=0
     )
+
+
+@pytest.mark.parametrize("truncation", [dict(top_p=0.8), dict(top_k=20)])
+def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
+    tokenizer_model_dir, truncation
+):
+    """Issue 9 item 5: under top-p / top-k the engine reports log-probs renormalised over the kept
+    tokens; the learner, told the same truncation, replays it and agrees (no false weight-sync
+    alarm). Scoring the full distribution instead is off by log(kept mass), the false alarm."""
+    hf = pytest.importorskip("rlkit.rollout.hf")
+    from rlkit.algos.correction import mismatch_metrics
+    from rlkit.models import load_tokenizer
+    from rlkit.rollout.base import Sampling
+
+    temperature = 0.8
+    tokenizer = load_tokenizer(tokenizer_model_dir)
+    engine = hf.HFEngine(tokenizer_model_dir, tokenizer, dtype=torch.float32, device="cpu", seed=0)
+    prompts = [tokenizer.encode("What is 2 + 3?"), tokenizer.encode("Name a colour.")]
+    rb = engine.generate(
+        prompts, 4, Sampling(temperature=temperature, max_new_tokens=12, seed=0, **truncation)
+    )
+    mask = rb.response_mask
+
+    def scored(**kw):
+        cfg = LearnerConfig(model_path=tokenizer_model_dir, dtype="float32", temperature=temperature, **kw)
+        return Learner(cfg).forward(rb).logprobs
+
+    replayed = scored(**truncation)
+    assert torch.isfinite(replayed).all()
+    torch.testing.assert_close(replayed[mask], rb.rollout_logprobs[mask], atol=1e-4, rtol=0)
+    # The unchunked path replays the same truncation.
+    unchunked = scored(logprob_chunk_tokens=0, pack_sequences=False, **truncation)
+    torch.testing.assert_close(unchunked[mask], replayed[mask], atol=1e-5, rtol=0)
+    # Full-vocabulary scoring: every kept-set log-prob is higher by -log(kept mass) > 0.
+    full = scored()
+    assert ((rb.rollout_logprobs - full)[mask] > 1e-3).all()
+    assert mismatch_metrics(full, rb.rollout_logprobs, mask)["mismatch/kl"] > 0.05

@@ -250,8 +250,11 @@ def test_other_algorithms_run_one_step(tiny, tmp_path, extra):
         assert "rollout_is/mean" in m and m["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
 
 
-@pytest.mark.parametrize("mismatch_samples", [0, 2])
-def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatch_samples):
+@pytest.mark.parametrize(
+    "mismatch_samples,truncation",
+    [(0, ()), (2, ()), (2, ("rollout.top_k=20",))],
+)
+def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatch_samples, truncation):
     import rlkit.weights
     from rlkit.trainer import WeightSyncError
 
@@ -265,7 +268,18 @@ def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatc
             "trainer.lr=0.05",
             "rollout.weight_sync_kl_threshold=1e-3",
             f"rollout.mismatch_samples={mismatch_samples}",
+            *truncation,
         )
+
+
+def test_truncated_sampling_passes_the_weight_sync_check(tiny, tmp_path):
+    """Issue 9 item 5: under top-p / top-k the learner scores the truncated distribution the engine
+    sampled from, so a correct push gives mismatch/kl ~ 0 (it was 0.14 at top_p 0.8 before); the
+    broken push above stays loud under top_k 20."""
+    hist = train(tiny, tmp_path / "t", "rollout.top_p=0.8", "rollout.weight_sync_kl_threshold=1e-4")
+    assert len(hist) == 2
+    for m in hist:
+        assert abs(m["mismatch/kl"]) < 1e-4 and m["mismatch/logprob_abs_diff"] < 1e-4
 
 
 def test_mismatch_samples_scores_a_subset_and_the_real_push_passes(tiny, tmp_path, monkeypatch):

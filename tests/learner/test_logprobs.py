@@ -1,0 +1,158 @@
+"""Chunked log-probs / entropy (rlkit.logprobs) and padding-free packing in the learner.
+
+References are independent: transformers' own top-k / top-p warpers and torch.log_softmax with
+autograd over the full logits, per-sample forward passes, and the learner's padded, unchunked path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from learner_helpers import learner_grads, make_batch
+from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+from rlkit.learner import Learner, LearnerConfig, _microbatches, _model_inputs
+from rlkit.logprobs import chunked_logprobs, truncation_mask
+
+TRUNCATIONS = [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.6)]
+
+
+def warped_log_softmax(z: torch.Tensor, top_k: int, top_p: float, targets: torch.Tensor) -> torch.Tensor:
+    """log-probs as the HF engine samples: transformers' warpers, target token re-admitted."""
+    warpers = LogitsProcessorList()
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    kept = (
+        torch.isfinite(warpers(None, z.detach().clone())) if warpers else torch.ones_like(z, dtype=torch.bool)
+    )
+    kept[torch.arange(len(targets)), targets] = True
+    return torch.log_softmax(z.masked_fill(~kept, float("-inf")), -1), kept
+
+
+@pytest.mark.parametrize("top_k,top_p", TRUNCATIONS)
+def test_truncation_mask_keeps_what_transformers_warpers_keep(top_k, top_p):
+    z = torch.randn(40, 60, generator=torch.Generator().manual_seed(top_k))
+    _, kept = warped_log_softmax(z, top_k, top_p, torch.zeros(0, dtype=torch.long))
+    mask = truncation_mask(z, top_k, top_p)
+    assert (mask is None) == (top_k == 0 and top_p == 1.0)
+    if mask is not None:
+        assert torch.equal(mask, kept)
+        assert 1 <= mask.sum(-1).min() and mask.sum(-1).max() < 60
+
+
+@pytest.mark.parametrize("top_k,top_p", TRUNCATIONS)
+def test_chunked_logprobs_entropy_and_gradients_equal_full_log_softmax(top_k, top_p):
+    g = torch.Generator().manual_seed(1)
+    m, h, v, temp = 37, 16, 300, 0.7
+    hidden = torch.randn(m, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
+    targets = torch.randint(0, v, (m,), generator=g)
+    a, b = torch.randn(m, generator=g), torch.randn(m, generator=g)
+
+    logp, ent = chunked_logprobs(
+        hidden, weight, targets, temperature=temp, chunk_tokens=5, top_k=top_k, top_p=top_p, entropy_grad=True
+    )
+    (logp * a + ent * b).sum().backward()
+    got = (logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+
+    ls, kept = warped_log_softmax((hidden @ weight.t()) / temp, top_k, top_p, targets)
+    ref_logp = ls.gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(ls.exp() * torch.where(kept, ls, 0.0)).sum(-1)
+    (ref_logp * a + ref_ent * b).sum().backward()
+    want = (ref_logp.detach(), ref_ent.detach(), hidden.grad, weight.grad)
+    # float32 both ways: values to 1e-6; gradients (sums over the vocabulary) to 1e-4 relative.
+    for x, y, rtol in zip(got, want, [1e-6, 1e-6, 1e-4, 1e-4]):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=1e-6)
+    assert torch.isfinite(logp).all()  # the target is always in the kept set
+
+
+def test_entropy_is_a_constant_unless_asked_for():
+    hidden = torch.randn(6, 4, requires_grad=True)
+    weight = torch.randn(10, 4, requires_grad=True)
+    logp, ent = chunked_logprobs(hidden, weight, torch.arange(6), chunk_tokens=4)
+    assert logp.requires_grad and not ent.requires_grad
+
+
+# -- the learner: packed / padded x chunked / unchunked ------------------------------------------------
+
+
+def cfg(path, **kw) -> LearnerConfig:
+    base = dict(model_path=path, dtype="float32", lr=1e-3, max_grad_norm=None, seed=0)
+    return LearnerConfig(**{**base, **kw})
+
+
+LOSS = dict(kl_coef=0.1, rollout_kl_coef=0.05, entropy_coef=0.01, clip_high=0.28)
+VARIANTS = {
+    "padded-full": dict(pack_sequences=False, logprob_chunk_tokens=0),
+    "padded-chunked": dict(pack_sequences=False, logprob_chunk_tokens=3),
+    "packed-full": dict(pack_sequences=True, logprob_chunk_tokens=0),
+    "packed-chunked": dict(pack_sequences=True, logprob_chunk_tokens=3),
+}
+
+
+@pytest.fixture(scope="module")
+def variant_results(tiny_model_dir):
+    batch = make_batch(n=7, seed=5)
+    mask = batch.response_mask.clone()
+    mask[3, 1] = False  # a hole in one loss mask
+    batch = dataclasses.replace(batch, response_mask=mask)
+    out = {}
+    for name, kw in VARIANTS.items():
+        for trunc in [dict(), dict(top_k=20, top_p=0.8, temperature=0.8)]:
+            learner = Learner(cfg(tiny_model_dir, max_tokens_per_microbatch=40, **LOSS, **kw, **trunc))
+            scored = learner.forward(batch)
+            learner.compute_gradients(batch)
+            out[name, bool(trunc)] = (scored, learner_grads(learner), list(learner.num_microbatches))
+    return out
+
+
+@pytest.mark.parametrize("name", ["padded-chunked", "packed-full", "packed-chunked"])
+@pytest.mark.parametrize("truncated", [False, True])
+def test_packed_and_chunked_equal_padded_full_logits(variant_results, name, truncated):
+    ref_scored, ref_grads, _ = variant_results["padded-full", truncated]
+    scored, grads, _ = variant_results[name, truncated]
+    torch.testing.assert_close(scored.logprobs, ref_scored.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scored.entropy, ref_scored.entropy, rtol=0, atol=1e-5)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_truncation_changes_logprobs_and_never_gives_minus_inf(variant_results):
+    full, trunc = variant_results["packed-chunked", False][0], variant_results["packed-chunked", True][0]
+    assert torch.isfinite(trunc.logprobs).all()
+    assert (full.logprobs - trunc.logprobs).abs().max() > 1e-2
+
+
+def test_packed_budget_counts_real_tokens():
+    batch = make_batch(n=6, prompt_width=10, response_width=10, prompt_lens=[2] * 6, response_lens=[3] * 6)
+    real = [sum(p + r for p, r in m.lens) for m in _microbatches(batch, 10, packed=True)]
+    assert real == [10, 10, 10]  # 2 rows of 5 real tokens each, no padding counted
+    assert len(_microbatches(batch, 10, packed=False)) == 3  # padded width 5 too: same here
+    # A long prompt and a long response: 10 + 10 real tokens, but padded 2 x (9 + 9).
+    ragged = make_batch(n=2, prompt_width=10, response_width=10, prompt_lens=[9, 1], response_lens=[1, 9])
+    assert len(_microbatches(ragged, 20, packed=True)) == 1
+    assert len(_microbatches(ragged, 20, packed=False)) == 2
+
+
+def test_packed_inputs_restart_positions_and_hold_only_real_tokens():
+    plens, rlens = [2, 4, 1], [3, 1, 2]
+    batch = make_batch(n=3, prompt_width=6, response_width=5, prompt_lens=plens, response_lens=rlens)
+    (m,) = _microbatches(batch, 100, packed=True)
+    assert m.rows.tolist() == [0, 1, 2]
+    inp = _model_inputs(m, packed=True, device="cpu")
+    ids = [
+        batch.prompt_ids[i, -p:].tolist() + batch.response_ids[i, :r].tolist()
+        for i, (p, r) in enumerate(zip(plens, rlens))
+    ]
+    assert inp.attention_mask is None
+    assert inp.input_ids.tolist() == [sum(ids, [])]
+    assert inp.position_ids.tolist() == [[0, 1, 2, 3, 4] + [0, 1, 2, 3, 4] + [0, 1, 2]]
+    # Response token j of row i is predicted by the hidden state just before it.
+    starts = [0, 5, 10]
+    want = [starts[i] + plens[i] - 1 + j for i in range(3) for j in range(rlens[i])]
+    assert inp.cols[inp.take].tolist() == want
