@@ -67,7 +67,7 @@ class EpisodeBatch:
     failed: Tensor
     """[N] bool, an environment step raised or timed out (the episode scores 0)."""
     stats: dict[str, Tensor]
-    """[N] float32 per episode: `turns` (model turns), `tool_calls`."""
+    """[N] float32 per episode: `turns` (model turns), `tool_calls`, `failed` (1 when a step failed)."""
     errors: int
     """Environment steps that raised or timed out."""
     timeouts: int
@@ -267,6 +267,7 @@ def run_episodes(
         stats={
             "turns": torch.tensor([float(e.turns) for e in episodes]),
             "tool_calls": torch.tensor([float(getattr(e.env, "tool_calls", 0)) for e in episodes]),
+            "failed": torch.tensor([float(e.failed is not None) for e in episodes]),
         },
         errors=errors,
         timeouts=timeouts,
