@@ -228,6 +228,20 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: str = "single_turn"
+    """Episode environment: single_turn (the dataset's task) | calculator | an import path module:Class."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (one environment per episode)."""
+    max_turns: int = 4
+    """An episode ends after this many model turns."""
+    max_total_tokens: Optional[int] = None
+    """Cap on an episode's response tokens, model and observation (finish `length`); null = rollout.max_new_tokens."""
+    timeout_s: float = 10.0
+    """An environment step running longer than this ends its episode with reward 0 (`env/timeouts`)."""
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 100
     """Number of training steps (one rollout batch + update each)."""
@@ -299,6 +313,7 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
@@ -469,6 +484,16 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
         )
     _choice("logger.backend", cfg.logger.backend, LOGGERS)
     check_rules(cfg)
+    _check_env(cfg)
+
+
+def _check_env(cfg: RLConfig) -> None:
+    from rlkit.envs import check_env_config
+
+    try:
+        check_env_config(cfg.env, cfg.rollout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def to_dict(cfg: RLConfig) -> dict:

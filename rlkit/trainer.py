@@ -195,7 +195,7 @@ class Trainer:
             )  # fmt: skip
         self.producer = Producer(
             cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=self.rank, world=self.world,
-            device=self.device, reward_model=reward_model,
+            device=self.device, reward_model=reward_model, tokenizer=self.tokenizer,
         )  # fmt: skip
 
         self.step = 0
@@ -409,6 +409,10 @@ class Trainer:
         for name, values in produced.per_fn.items():
             short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn
             stats[f"reward/{short}"] = self._gather(values.to(self.device)).mean()
+        for name, values in produced.env_stats.items():  # env/turns, env/tool_calls: means per episode
+            stats[f"env/{name}"] = self._gather(values.to(self.device)).mean()
+        stats["env/errors"] = self._sum(torch.tensor([float(produced.env_errors)], device=self.device))[0]
+        stats["env/timeouts"] = self._sum(torch.tensor([float(produced.env_timeouts)], device=self.device))[0]
         stats.update(produced.stats)
         stats.update(token_metrics.compute())
         stats.update(update_metrics)
@@ -446,28 +450,32 @@ class Trainer:
             return {}
         k = self.cfg.rollout.eval_group_size
         mine = list(range(self.rank, len(self.eval_prompts), self.world))
-        sums = torch.zeros(3, device=self.device)  # correct samples, samples, prompts with any correct
+        # correct samples, samples, prompts with any correct, tool calls
+        sums = torch.zeros(4, device=self.device)
         if mine:
-            rb = self.producer.generate(
-                [self.eval_prompts.token_ids[i] for i in mine], k, self.producer.sampling(eval=True),
+            episodes = self.producer.episodes(
+                self.eval_prompts, mine, k, self.producer.sampling(eval=True),
                 sampling_seed(self.cfg.trainer.seed, self.step, self.rank, salt=1),
             )  # fmt: skip
+            rb = episodes.rollout
             texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
             answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
             correct = torch.tensor(
                 self.scorer.score(texts, list(rb.response_texts), answers, only=["math"]).per_fn["math"],
                 device=self.device,
             )
+            correct = torch.where(episodes.failed.to(self.device), 0.0, correct)  # a failed episode scores 0
             per_prompt = correct.reshape(len(mine), k)
             sums = torch.stack(
                 [
                     correct.sum(),
                     torch.tensor(float(correct.numel()), device=self.device),
                     (per_prompt > 0).any(-1).float().sum(),
+                    episodes.stats["tool_calls"].sum().to(self.device),
                 ]
             )
         sums = self._sum(sums).tolist()
-        out = {"eval/pass@1": sums[0] / max(sums[1], 1)}
+        out = {"eval/pass@1": sums[0] / max(sums[1], 1), "eval/tool_calls": sums[3] / max(sums[1], 1)}
         if k > 1:
             out[f"eval/pass@{k}"] = sums[2] / max(sums[1] / k, 1)
         return out

@@ -18,6 +18,7 @@ Every drawn prompt advances the data order, so a checkpoint records each prompt 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ class ScoredBatch:
     """`dynamic/gen_batches`, `dynamic/kept_frac` (global, refill mode only)."""
     policy_version: int
     """The trainer step whose weights generated these samples."""
+    env_stats: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    """[N] float32 per episode: `turns`, `tool_calls` (logged as env/<name>, means per episode)."""
+    env_errors: int = 0
+    """Environment steps that raised or hung on this rank (their episodes score 0)."""
+    env_timeouts: int = 0
+    """Of those, the ones that timed out."""
 
 
 def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
@@ -127,10 +134,13 @@ class Producer:
     """Produces this rank's `ScoredBatch` of every step (sync mode: called by the trainer's step)."""
 
     def __init__(
-        self, cfg, engine, scorer, prompts, order, *, rank: int, world: int, device=None, reward_model=None
-    ):
+        self, cfg, engine, scorer, prompts, order, *, rank: int, world: int, device=None, reward_model=None,
+        tokenizer=None,
+    ):  # fmt: skip
         self.cfg = cfg
         self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        self._awake = False
         self.scorer = scorer
         self.prompts = prompts
         self.order = order
@@ -161,25 +171,67 @@ class Producer:
             stop=tuple(r.stop),
         )
 
-    def generate(self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0):
+    @contextlib.contextmanager
+    def awake(self):
+        """The engine awake for the whole block (all turns of a batch of episodes), asleep after it."""
+        if self._awake:
+            yield
+            return
+        self.engine.wake()
+        self._awake = True
+        try:
+            yield
+        finally:
+            self._awake = False
+            self.engine.sleep()
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0, positions=None
+    ):
         """engine.generate, seeded so the samples are a pure function of (seed, step, rank).
 
         With rollout.seed_per_prompt each prompt gets its own call seeded by its position in the global
-        batch (`first_prompt` + j), so the samples do not depend on the number of ranks.
+        batch (`first_prompt` + j, or `positions[j]` when given), so the samples do not depend on the
+        number of ranks.
         """
-        self.engine.wake()
-        try:
+        with self.awake():
             if not self.cfg.rollout.seed_per_prompt:
                 return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+            if positions is None:
+                positions = [first_prompt + j for j in range(len(prompts))]
             parts = [
-                self.engine.generate(
-                    [p], n, dataclasses.replace(sampling, seed=sampling_seed(seed, 0, first_prompt + j))
-                )
-                for j, p in enumerate(prompts)
+                self.engine.generate([p], n, dataclasses.replace(sampling, seed=sampling_seed(seed, 0, pos)))
+                for p, pos in zip(prompts, positions)
             ]
             return concat_rollouts(parts)
-        finally:
-            self.engine.sleep()
+
+    def episodes(self, prompt_set, indices: list[int], n: int, sampling, seed: int, *, first_prompt: int = 0):
+        """Run `n` episodes of env.name for each prompt `indices` of `prompt_set` (rlkit/rollout/episodes.py).
+
+        Turn 0 is exactly the single-turn call (same prompts, n, seed); turn t > 0 of the live episodes is
+        one call with n=1 each, seeded by (seed, t) and, under rollout.seed_per_prompt, by each episode's
+        global index, so multi-turn samples too are independent of the number of ranks.
+        """
+        from rlkit.rollout.episodes import run_episodes
+
+        env = self.cfg.env
+
+        def gen(prompts, k, s, turn, positions):
+            if turn == 0:
+                return self.generate(prompts, k, s, seed, first_prompt=first_prompt)
+            return self.generate(prompts, k, s, sampling_seed(seed, turn, 0, salt=7), positions=positions)
+
+        eos = getattr(self.engine, "eos_ids", None) or [self.tokenizer.eos_token_id]
+        pad = getattr(self.engine, "pad_id", None)
+        with self.awake():
+            return run_episodes(
+                gen, self.tokenizer, [prompt_set.token_ids[i] for i in indices],
+                [prompt_set.messages[i] for i in indices], [prompt_set.rows[i] for i in indices], n, sampling,
+                env_name=env.name, env_kwargs=dict(env.kwargs), max_turns=env.max_turns,
+                max_total_tokens=env.max_total_tokens or self.cfg.rollout.max_new_tokens,
+                timeout_s=env.timeout_s, eos_ids=set(eos), pad_id=pad if pad is not None else eos[0],
+                context=getattr(self.engine, "context", None), first_position=first_prompt,
+            )  # fmt: skip
 
     # -- one generation batch --------------------------------------------------------------------
 
@@ -191,14 +243,16 @@ class Producer:
             mine = indices[self.rank * ppr : (self.rank + 1) * ppr]
             # Refill batches get their own seeds; batch 0 keeps the seed of a step without refill.
             salt = 0 if gen_batch == 0 else 1000 + gen_batch
-            rb = self.generate(
-                [self.prompts.token_ids[i] for i in mine],
+            eb = self.episodes(
+                self.prompts,
+                mine,
                 G,
                 self.sampling(),
                 # Per-prompt seeds are derived from a rank-independent base (see generate).
                 sampling_seed(cfg.trainer.seed, step, 0 if cfg.rollout.seed_per_prompt else self.rank, salt),
                 first_prompt=self.rank * ppr,
             )
+            rb = eb.rollout
         with timers("reward"):
             texts = [self.prompts.texts[i] for i in mine for _ in range(G)]
             answers = [self.prompts.answers[i] for i in mine for _ in range(G)]
@@ -221,12 +275,20 @@ class Producer:
                 )
                 per_fn["overlong"] = penalty
                 rewards = rewards + penalty
+            # Per-step environment rewards add to the episode's reward (undiscounted sum); an episode whose
+            # environment step raised or hung scores 0 in every term.
+            per_fn["env"] = eb.env_rewards
+            rewards = torch.where(eb.failed, 0.0, rewards + eb.env_rewards)
+            per_fn = {k: torch.where(eb.failed, 0.0, v) for k, v in per_fn.items()}
         return {
             "rollout": rb,
             "rewards": rewards,
             "per_fn": per_fn,
             "errors": scores.errors,
             "timeouts": scores.timeouts,
+            "env_stats": eb.stats,
+            "env_errors": eb.errors,
+            "env_timeouts": eb.timeouts,
         }
 
     # -- a step's scored batch -------------------------------------------------------------------
@@ -271,14 +333,18 @@ class Producer:
         ppr = self.prompts_per_rank
         errors = sum(p["errors"] for p in pieces)
         timeouts = sum(p["timeouts"] for p in pieces)
+        env_errors = sum(p["env_errors"] for p in pieces)
+        env_timeouts = sum(p["env_timeouts"] for p in pieces)
         stats = {
             k: sum(p["rollout"].stats.get(k, 0.0) for p in pieces) for k in ("gen_tokens", "gen_seconds")
         }
-        shared = [[dict(p, errors=0, timeouts=0) for p in pieces]]
+        counts = dict(errors=0, timeouts=0, env_errors=0, env_timeouts=0)
+        shared = [[dict(p, **counts) for p in pieces]]
         if self.world > 1:
             shared = [None] * self.world
-            dist.all_gather_object(shared, [dict(p, errors=0, timeouts=0) for p in pieces])
+            dist.all_gather_object(shared, [dict(p, **counts) for p in pieces])
         parts, rewards, per_fn = [], [], {k: [] for k in pieces[0]["per_fn"]}
+        env_stats = {k: [] for k in pieces[0]["env_stats"]}
         for b, g in chosen:
             owner, local = divmod(g, ppr)
             piece = shared[owner][b]
@@ -287,6 +353,8 @@ class Producer:
             rewards.append(piece["rewards"][rows])
             for k in per_fn:
                 per_fn[k].append(piece["per_fn"][k][rows])
+            for k in env_stats:
+                env_stats[k].append(piece["env_stats"][k][rows])
         rb = concat_rollouts(parts)
         rb.stats.update(stats)  # what this rank generated, for throughput
         return ScoredBatch(
@@ -297,6 +365,9 @@ class Producer:
             timeouts=timeouts,
             stats={},
             policy_version=-1,
+            env_stats={k: torch.cat(v) for k, v in env_stats.items()},
+            env_errors=env_errors,
+            env_timeouts=env_timeouts,
         )
 
     def _gather(self, x: Tensor) -> Tensor:

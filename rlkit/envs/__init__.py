@@ -1,0 +1,105 @@
+"""Environments: what a multi-turn episode talks to.
+
+An environment is built per episode (`cls(**env.kwargs)`) and driven by rlkit.rollout.episodes:
+
+    messages = env.reset(row, messages)      # the first messages (default: the dataset's prompt)
+    loop:  model turn (sampled token ids, kept exactly) -> text
+           observation, reward, done = env.step(text)
+           observation: chat messages appended to the conversation (rendered with the chat template),
+                        or None; reward: a float added to the episode's reward; done: end the episode.
+
+The episode ends at `done`, after `env.max_turns` model turns, or when the response (model and
+observation tokens) reaches `env.max_total_tokens` (finish reason `length`). A step that raises or
+runs longer than `env.timeout_s` ends its episode with reward 0 and is counted (`env/errors`,
+`env/timeouts`). `stop` lists extra stop strings that end a model turn (the tool call's closing tag);
+`tool_calls` counts the tool calls the environment served (logged as `env/tool_calls`, per episode).
+
+Environments are named like reward functions: a built-in (`single_turn`, `calculator`) or an import
+path `module:Class` / `module.Class`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+
+class Environment:
+    """The protocol, with defaults: subclass it, or write any class with these members."""
+
+    stop: tuple[str, ...] = ()
+    """Extra stop strings of a model turn (kept in the turn), besides EOS and rollout.stop."""
+    tool_calls: int = 0
+    """Tool calls served in this episode (logged as `env/tool_calls`)."""
+
+    def reset(self, row: dict, messages: list[dict]) -> list[dict]:
+        """The episode's first messages, from its dataset row; `messages` is the dataset's prompt
+        (system + user, as data.* renders it). Returning `messages` unchanged keeps the dataset's
+        exact prompt tokens (including data.template=plain)."""
+        return messages
+
+    def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
+        """React to one model turn (its decoded text): (observation messages or None, reward, done)."""
+        raise NotImplementedError
+
+
+class SingleTurn(Environment):
+    """The dataset's single-turn task: one model turn, then the reward functions judge it."""
+
+    def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
+        return None, 0.0, True
+
+
+def _registry() -> dict[str, type]:
+    from rlkit.envs.calculator import Calculator
+
+    return {"single_turn": SingleTurn, "calculator": Calculator}
+
+
+@functools.cache
+def resolve_env(spec: str) -> type:
+    """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
+    registry = _registry()
+    if spec in registry:
+        return registry[spec]
+    if ":" in spec:
+        module, _, name = spec.partition(":")
+    elif "." in spec:
+        module, _, name = spec.rpartition(".")
+    else:
+        raise ValueError(
+            f"env.name={spec!r} is not one of {list(registry)} and is not an import path "
+            "(module:Class or module.Class)"
+        )
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.name={spec!r}: cannot import {name!r} from {module!r} ({e})") from e
+    if not callable(cls):
+        raise ValueError(f"env.name={spec!r} is not callable")
+    return cls
+
+
+def make_env(spec: str, kwargs: dict | None = None):
+    """A fresh environment for one episode."""
+    return resolve_env(spec)(**(kwargs or {}))
+
+
+def check_env_config(env, rollout) -> None:
+    """Start-up checks of the `env.*` keys (raises ValueError naming the key, value and valid range)."""
+    resolve_env(env.name)
+    if env.max_turns < 1:
+        raise ValueError(f"env.max_turns={env.max_turns!r} must be >= 1")
+    if env.max_total_tokens is not None and env.max_total_tokens < 1:
+        raise ValueError(f"env.max_total_tokens={env.max_total_tokens!r} must be >= 1 (or null)")
+    if env.timeout_s <= 0:
+        raise ValueError(f"env.timeout_s={env.timeout_s!r} must be > 0")
+    try:
+        make_env(env.name, env.kwargs)
+    except Exception as e:
+        raise ValueError(
+            f"env.name={env.name!r} cannot be built with env.kwargs={dict(env.kwargs)} ({e})"
+        ) from e
+
+
+__all__ = ["Environment", "SingleTurn", "check_env_config", "make_env", "resolve_env"]

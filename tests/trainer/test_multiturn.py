@@ -1,0 +1,103 @@
+# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+"""Multi-turn episodes end to end on the tiny model: observation tokens never trained, exact resume,
+environment errors and timeouts counted, 2 processes == 1 process."""
+
+import pytest
+from test_e2e import REPO_ROOT, _launch, overrides, read_jsonl, tiny, train  # noqa: F401
+
+MULTI = [
+    "env.name=rlkit_test_envs:Chatty",
+    "env.max_turns=3",
+    "env.max_total_tokens=64",
+    "rollout.max_new_tokens=8",
+]
+OBS = "<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _observation_positions(tokenizer, ids: list[int]) -> set[int]:
+    """Positions of the observation's tokens in a response, found by matching the observation's own
+    tokenisation (independent of the producer's bookkeeping)."""
+    pattern = tokenizer(OBS, add_special_tokens=False).input_ids
+    out = set()
+    for t in range(len(ids) - len(pattern) + 1):
+        if ids[t : t + len(pattern)] == pattern:
+            out.update(range(t, t + len(pattern)))
+    return out
+
+
+def test_multi_turn_exact_resume_and_observation_tokens_never_trained(tiny, tmp_path, monkeypatch):
+    from rlkit.learner import Learner
+    from rlkit.models import load_tokenizer
+
+    seen = []
+    real_update = Learner.update
+
+    def capture(self, batch):
+        seen.append(batch)
+        return real_update(self, batch)
+
+    monkeypatch.setattr(Learner, "update", capture)
+    straight = train(tiny, tmp_path / "a", "trainer.steps=4", *MULTI)
+    monkeypatch.setattr(Learner, "update", real_update)
+    assert all(m["env/turns"] > 1.5 for m in straight)  # really multi-turn
+    assert all(m["env/errors"] == 0 and m["env/tool_calls"] == 0 for m in straight)
+
+    tokenizer = load_tokenizer(tiny)
+    holes = 0
+    for batch in seen:
+        for row in range(batch.response_ids.shape[0]):
+            ids = batch.response_ids[row].tolist()
+            obs = _observation_positions(tokenizer, ids)
+            holes += bool(obs)
+            assert not any(batch.response_mask[row, t] for t in obs)
+    assert holes > 0
+
+    first = train(tiny, tmp_path / "b", "trainer.steps=2", *MULTI)
+    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto", *MULTI)
+    keys = ["reward/mean", "loss/total", "grad_norm", "mismatch/kl", "response_length/mean", "env/turns"]
+    for want, got in zip(straight, first + second):
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+
+
+def test_environment_errors_and_timeouts_are_counted_and_score_zero(tiny, tmp_path, monkeypatch):
+    from rlkit.rollout.producer import Producer
+
+    produced = []
+    real = Producer._generate_and_score
+
+    def capture(self, step, gen_batch, timers):
+        piece = real(self, step, gen_batch, timers)
+        produced.append(piece)
+        return piece
+
+    monkeypatch.setattr(Producer, "_generate_and_score", capture)
+    (m,) = train(
+        tiny, tmp_path / "x", "trainer.steps=1", *MULTI, "env.name=rlkit_test_envs:Flaky", "env.timeout_s=0.5"
+    )
+    assert m["env/errors"] > 0 and m["env/timeouts"] > 0 and m["env/errors"] >= m["env/timeouts"]
+    assert m["reward/errors"] == 0  # environment failures are not reward failures
+    (piece,) = produced
+    failed = piece["env_stats"]["failed"].bool()
+    assert int(failed.sum()) == m["env/errors"]
+    assert (piece["rewards"][failed] == 0).all()
+    assert all((v[failed] == 0).all() for v in piece["per_fn"].values())
+    assert (piece["per_fn"]["env"][~failed] > 0).any()  # the others kept their per-step rewards
+
+
+def test_multi_turn_two_processes_give_the_same_metrics_as_one(tiny, tmp_path):
+    common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *MULTI)
+    runs = {}
+    for name, extra in (("one", []), ("two", ["trainer.num_processes=2"])):
+        args = [
+            o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={tmp_path / name}" for o in common
+        ]
+        _launch(REPO_ROOT, *args, *extra)
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[1:]
+    keys = ["reward/mean", "reward/std", "response_length/mean", "loss/total", "grad_norm", "mismatch/kl"]
+    keys += ["env/turns", "reward/env"]
+    assert len(runs["one"]) == len(runs["two"]) == 2
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["env/turns"] > 1.5
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
