@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from rlkit.batch import RolloutBatch
-from rlkit.collectives import CollectiveWatch
 from rlkit.config import RLConfig, to_dict
 
 log = logging.getLogger(__name__)
@@ -180,6 +179,8 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.rank == 0
+        from rlkit.collectives import CollectiveWatch
+
         self._watch = CollectiveWatch(self.world, t.collective_timeout_s)  # names a stopped rank
         self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
         if self.is_main:
