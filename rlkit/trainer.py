@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlkit.collectives import CollectiveWatch
 from rlkit.config import RLConfig, to_dict
 from rlkit.rollout.producer import sampling_seed
 
@@ -147,6 +146,8 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.rank == 0
+        from rlkit.collectives import CollectiveWatch
+
         self._watch = CollectiveWatch(self.world, t.collective_timeout_s)  # names a stopped rank
         self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
         if self.is_main:
