@@ -96,7 +96,7 @@ class LearnerConfig:
     """Token budget of one micro-batch: real tokens when `pack_sequences`, else rows x (longest prompt + longest response)."""
     pack_sequences: bool = True
     """Run each micro-batch as one padding-free sequence (position ids restart per row, attention stays in the row)."""
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int = 512
     """Positions per chunk through the LM head for log-probs / entropy (memory ~ chunk x vocab); 0 = full logits."""
     temperature: float = 1.0
     """Sampling temperature of the rollout engine; log-probs are log_softmax(logits / temperature)."""

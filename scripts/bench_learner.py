@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--config", "--preset", default="tiny")
     ap.add_argument("--tokens", type=int, default=None, help="~N real tokens, quickstart lengths; budget N")
     ap.add_argument("--unchunked", action="store_true", help="reference: full logits, padded micro-batches")
-    ap.add_argument("--chunk", type=int, default=1024, help="logprob_chunk_tokens of the chunked path")
+    ap.add_argument("--chunk", type=int, default=512, help="logprob_chunk_tokens of the chunked path")
     ap.add_argument("--no-pack", action="store_true", help="padded micro-batches (chunked log-probs kept)")
     ap.add_argument("--json", action="store_true", help="print one JSON line of results")
     ap.add_argument("--samples", type=int, default=16, help="rows per update (per process)")
