@@ -100,9 +100,12 @@ class LearnerConfig:
     """Clip the global gradient norm to this value; None = no clipping (the norm is still logged)."""
     max_tokens_per_microbatch: int = 8192
     """Token budget of one micro-batch: real tokens when `pack_sequences`, else rows x (longest prompt + longest response)."""
-    pack_sequences: bool = True
-    """Run each micro-batch as one padding-free sequence (position ids restart per row, attention stays in the row)."""
-    logprob_chunk_tokens: int = 1024
+    pack_sequences: bool = False
+    """Run each micro-batch as one padding-free sequence (position ids restart per row, attention stays in the row).
+
+    Off by default: transformers' sdpa / eager attention then build a dense [L, L] block-diagonal mask,
+    so attention costs O(L^2) over the whole micro-batch; measured slower on CPU (README)."""
+    logprob_chunk_tokens: int = 512
     """Positions per chunk through the LM head for log-probs / entropy (memory ~ chunk x vocab); 0 = full logits."""
     temperature: float = 1.0
     """Sampling temperature of the rollout engine; log-probs are log_softmax(logits / temperature)."""

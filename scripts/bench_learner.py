@@ -14,7 +14,7 @@ download). The first update is a warm-up and is not timed. Multi-GPU: `accelerat
 `--tokens N` builds a batch of about N real tokens with the quickstart's mixed lengths (prompts of
 30 to 60 tokens, responses of 1 to 32) and sets the micro-batch budget to N. `--unchunked` runs the
 previous learner path as the reference: full logits (`logprob_chunk_tokens=0`) on padded
-micro-batches (`pack_sequences=false`).
+micro-batches (`pack_sequences=false`); `--pack` turns packing on.
 
 Peak memory on CPU: a thread samples the resident set size (/proc/self/statm) every millisecond
 during the timed updates; `peak_memory_gb` is the highest sample minus the resident size just
@@ -163,8 +163,8 @@ def main() -> None:
     ap.add_argument("--config", "--preset", default="tiny")
     ap.add_argument("--tokens", type=int, default=None, help="~N real tokens, quickstart lengths; budget N")
     ap.add_argument("--unchunked", action="store_true", help="reference: full logits, padded micro-batches")
-    ap.add_argument("--chunk", type=int, default=1024, help="logprob_chunk_tokens of the chunked path")
-    ap.add_argument("--no-pack", action="store_true", help="padded micro-batches (chunked log-probs kept)")
+    ap.add_argument("--chunk", type=int, default=512, help="logprob_chunk_tokens of the chunked path")
+    ap.add_argument("--pack", action="store_true", help="padding-free packed micro-batches (pack_sequences)")
     ap.add_argument("--json", action="store_true", help="print one JSON line of results")
     ap.add_argument("--samples", type=int, default=16, help="rows per update (per process)")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -192,7 +192,7 @@ def main() -> None:
             lr=1e-6,
             max_tokens_per_microbatch=args.tokens or args.max_tokens,
             logprob_chunk_tokens=0 if args.unchunked else args.chunk,
-            pack_sequences=not (args.unchunked or args.no_pack),
+            pack_sequences=args.pack and not args.unchunked,
             kl_coef=args.kl_coef,
             seed=args.seed,
         )
@@ -237,7 +237,7 @@ def main() -> None:
     if args.json and acc.is_main_process:
         out = {
             "config": args.config,
-            "path": "unchunked" if args.unchunked else ("chunked" if args.no_pack else "chunked+packed"),
+            "path": "unchunked" if args.unchunked else ("chunked+packed" if args.pack else "chunked"),
             "tokens": tokens,
             "rows": batch.num_samples,
             "micro_batches": learner.num_microbatches[-1],

@@ -156,3 +156,15 @@ def test_packed_inputs_restart_positions_and_hold_only_real_tokens():
     starts = [0, 5, 10]
     want = [starts[i] + plens[i] - 1 + j for i in range(3) for j in range(rlens[i])]
     assert inp.cols[inp.take].tolist() == want
+
+
+def test_critic_values_packed_equal_padded(tiny_model_dir):
+    batch = make_batch(n=5, seed=9, all_fields=False)
+    values = {}
+    for pack in (False, True):
+        learner = Learner(
+            cfg(tiny_model_dir, value_model=True, pack_sequences=pack, max_tokens_per_microbatch=30)
+        )
+        values[pack] = learner.forward(batch, policy=False, values=True).values
+    assert values[True].abs().sum() > 0
+    torch.testing.assert_close(values[True], values[False], rtol=0, atol=1e-5)
