@@ -340,9 +340,13 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate after sleep(level=2) needs load_weights first")
         self.wake()
         # Every prompt gets its own seed (vLLM adds the sample index for its n samples), so no two
-        # samples share a random stream; ranks differ, and unseeded calls advance with the call count.
-        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
-        base = base * 7919 + self.rank * 104_729
+        # samples share a random stream. A seeded call depends on its seed only (the trainer mixes the
+        # rank in when it should; with rollout.seed_per_prompt it must not); unseeded calls advance with
+        # the call count and differ between ranks.
+        if sampling.seed is not None:
+            base = sampling.seed * 7919
+        else:
+            base = (self._seed * 1_000_003 + self._calls) * 7919 + self.rank * 104_729
         self._calls += 1
         params = [sampling_params_from(sampling, n, seed=base + i * n) for i in range(len(prompts))]
         t0 = time.perf_counter()
