@@ -32,7 +32,12 @@ def main() -> None:
     rng = random.Random(0)
     questions = [_arithmetic_problem(rng, ("plain_add",))["question"] for _ in range(args.prompts)]
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
         for q in questions
     ]
     engines = {}
