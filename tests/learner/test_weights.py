@@ -16,7 +16,8 @@ class RecordingEngine:
     def __init__(self):
         self.received = {}
 
-    def load_weights(self, named_tensors):
+    def load_weights(self, named_tensors, *, manifest):
+        self.manifest = manifest  # checked before the first tensor arrives
         for name, tensor in named_tensors:
             self.received[name] = tensor.clone()
 
@@ -30,6 +31,7 @@ def test_push_weights_streams_every_tensor_with_stats(tiny_model_dir):
     model = learner.accelerator.unwrap_model(learner.model)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as the embedding
     assert engine.received.keys() == expected.keys()
+    assert engine.manifest == {k: tuple(v.shape) for k, v in expected.items()}
     for k, v in expected.items():
         assert engine.received[k].dtype == torch.bfloat16
         assert torch.equal(engine.received[k], v.detach().to(torch.bfloat16)), k

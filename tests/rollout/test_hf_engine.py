@@ -246,8 +246,17 @@ def test_weight_push_rejects_empty_unknown_and_misshaped(engine, tiny_model):
         engine.load_weights([("model.nope.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match=r"model.norm.weight.*\(3,\)"):
         engine.load_weights([("model.norm.weight", torch.zeros(3))])
-    # Tied weights may come under the lm_head name.
-    assert engine.load_weights([("lm_head.weight", tiny_model.lm_head.weight)]) == 1
+    # A manifest that does not fit is refused before anything is copied.
+    manifest = {n: tuple(p.shape) for n, p in tiny_model.named_parameters()}
+    with pytest.raises(ValueError, match=r"refused before copying.*model.norm.weight: pushed \(3,\)"):
+        engine.load_weights(tiny_model.named_parameters(), manifest={**manifest, "model.norm.weight": (3,)})
+    # A push that stops midway leaves an engine that refuses to generate until a complete push.
+    with pytest.raises(ValueError, match="ended before"):
+        engine.load_weights(list(tiny_model.named_parameters())[:2], manifest=manifest)
+    with pytest.raises(RuntimeError, match="refuses to generate.*failed midway"):
+        engine.generate([[1, 2]], 1, Sampling(max_new_tokens=2, seed=0))
+    assert engine.load_weights(tiny_model.named_parameters(), manifest=manifest) == len(manifest)
+    assert engine.generate([[1, 2]], 1, Sampling(max_new_tokens=2, seed=0)).response_mask.any()
 
 
 def test_engine_without_pad_token_pads_with_eos(tiny_ckpt, caplog):

@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+
 from rlkit.rollout import make_engine
 from rlkit.rollout.base import RolloutEngine
 from rlkit.rollout.hf import HFEngine

@@ -30,12 +30,13 @@ def tiny(tmp_path_factory):
 def _args(tiny, run_dir, *extra):
     return [
         "+recipe=quickstart", f"model.path={tiny}", f"trainer.run_dir={run_dir}", "trainer.steps=4",
-        "trainer.train_batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=12",
+        "trainer.train_batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=8",
         "data.eval_size=4", "data.num_train=64", "data.num_eval=8", "trainer.eval_every=0",
         "trainer.save_every=0", "trainer.lr=1e-3", "trainer.progress_bar=false",
         "reward.fn=rlkit_test_rewards:length", "reward.num_workers=1", "algo.mask_zero_std_groups=false",
         "logger=none", "rollout.engine=vllm", "+rollout.engine_kwargs.kv_cache_gib=0.25",
-        "rollout.seed_per_prompt=true", "rollout.weight_sync_kl_threshold=1e-3", *extra,
+        "rollout.seed_per_prompt=true", "rollout.weight_sync_kl_threshold=1e-3", "trainer.eval_at_start=false",
+        *extra,
     ]  # fmt: skip
 
 
