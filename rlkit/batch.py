@@ -95,7 +95,8 @@ class RolloutBatch:
     response_ids: Tensor
     """[N, T] long, right-padded sampled tokens."""
     response_mask: Tensor
-    """[N, T] bool, True on every generated token up to and including EOS/stop."""
+    """[N, T] bool, True on every token the model sampled, up to and including EOS/stop; in multi-turn
+    episodes observation tokens inside the response are False (context, never trained)."""
     rollout_logprobs: Tensor
     """[N, T] float32, log-prob of each sampled token under the distribution it was sampled from
     (temperature/top-p/top-k applied); 0 at padding."""

@@ -37,6 +37,7 @@ TEMPLATES = ["chat", "plain"]
 DEVICES = ["auto", "cpu", "cuda"]
 STRATEGIES = ["auto", "fsdp2", "ddp"]
 ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")  # problem types of rlkit.data's generated set
+VALID_ARITHMETIC_KINDS = (*ARITHMETIC_KINDS, "plain_mul")  # plain_mul (3-digit products): opt-in only
 
 
 @dataclass
@@ -80,7 +81,8 @@ class DataConfig:
     num_eval: int = 200
     """`arithmetic` only: number of generated eval problems."""
     arithmetic_kinds: list[str] = field(default_factory=lambda: list(ARITHMETIC_KINDS))
-    """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub."""
+    """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub,
+    plain_mul ("What is a * b?", 3-digit a, b; not in the default)."""
 
 
 @dataclass
@@ -325,9 +327,9 @@ class ConfigError(ValueError):
 def check_arithmetic_kinds(kinds) -> None:
     """`data.arithmetic_kinds` must be a non-empty subset of ARITHMETIC_KINDS (checked at start-up and
     by rlkit.data.generate_arithmetic)."""
-    if not kinds or any(k not in ARITHMETIC_KINDS for k in kinds):
+    if not kinds or any(k not in VALID_ARITHMETIC_KINDS for k in kinds):
         raise ConfigError(
-            f"data.arithmetic_kinds={list(kinds)} must be a non-empty subset of {list(ARITHMETIC_KINDS)}"
+            f"data.arithmetic_kinds={list(kinds)} must be a non-empty subset of {list(VALID_ARITHMETIC_KINDS)}"
         )
 
 

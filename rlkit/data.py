@@ -44,6 +44,9 @@ def _arithmetic_problem(rng: random.Random, kinds: tuple[str, ...] = ARITHMETIC_
     elif kind == "story_add":
         question = f"{name} has {a} {thing}. {name} gets {b} more. How many {thing} does {name} have now?"
         work, result = f"{a} + {b} = {a + b}", a + b
+    elif kind == "plain_mul":
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        question, work, result = f"What is {a} * {b}?", f"{a} * {b} = {a * b}", a * b
     else:
         a, b = max(a, b), min(a, b)
         question = f"{name} had {a} {thing} and gave away {b}. How many {thing} are left?"

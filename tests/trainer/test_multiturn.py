@@ -37,7 +37,8 @@ def test_multi_turn_exact_resume_and_observation_tokens_never_trained(tiny, tmp_
         return real_update(self, batch)
 
     monkeypatch.setattr(Learner, "update", capture)
-    straight = train(tiny, tmp_path / "a", "trainer.steps=4", *MULTI)
+    fast = [*MULTI, "trainer.eval_at_start=false"]
+    straight = train(tiny, tmp_path / "a", "trainer.steps=4", *fast)
     monkeypatch.setattr(Learner, "update", real_update)
     assert all(m["env/turns"] > 1.5 for m in straight)  # really multi-turn
     assert all(m["env/errors"] == 0 and m["env/tool_calls"] == 0 for m in straight)
@@ -52,8 +53,8 @@ def test_multi_turn_exact_resume_and_observation_tokens_never_trained(tiny, tmp_
             assert not any(batch.response_mask[row, t] for t in obs)
     assert holes > 0
 
-    first = train(tiny, tmp_path / "b", "trainer.steps=2", *MULTI)
-    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto", *MULTI)
+    first = train(tiny, tmp_path / "b", "trainer.steps=2", *fast)
+    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto", *fast)
     keys = ["reward/mean", "loss/total", "grad_norm", "mismatch/kl", "response_length/mean", "env/turns"]
     for want, got in zip(straight, first + second):
         for k in keys:
@@ -73,7 +74,13 @@ def test_environment_errors_and_timeouts_are_counted_and_score_zero(tiny, tmp_pa
 
     monkeypatch.setattr(Producer, "_generate_and_score", capture)
     (m,) = train(
-        tiny, tmp_path / "x", "trainer.steps=1", *MULTI, "env.name=rlkit_test_envs:Flaky", "env.timeout_s=0.5"
+        tiny,
+        tmp_path / "x",
+        "trainer.steps=1",
+        *MULTI,
+        "env.name=rlkit_test_envs:Flaky",
+        "env.timeout_s=0.5",
+        "trainer.eval_at_start=false",
     )
     assert m["env/errors"] > 0 and m["env/timeouts"] > 0 and m["env/errors"] >= m["env/timeouts"]
     assert m["reward/errors"] == 0  # environment failures are not reward failures
