@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlkit.config import ARITHMETIC_KINDS, ConfigError, RLConfig
+from rlkit.config import VALID_ARITHMETIC_KINDS, ConfigError, RLConfig
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,11 @@ RANGES: dict[str, Range] = {
     "trainer.save_every": _ge(0),
     "trainer.keep_last": _ge(0),
     "trainer.num_processes": _ge(1),
+    "trainer.collective_timeout_s": _gt(0),
+    "trainer.logprob_chunk_tokens": _ge(0),  # 0 = full logits
+    "env.max_turns": _ge(1),
+    "env.max_total_tokens": _ge(1),
+    "env.timeout_s": _gt(0),
 }
 
 
@@ -210,9 +215,14 @@ def _device(cfg: RLConfig) -> None:
 
 
 # Distinct problems of each generated arithmetic kind (rlkit.data._arithmetic_problem: a, b in 1..20,
-# 6 names x 5 things in the stories; a subtraction story orders a >= b).
-ARITHMETIC_SIZES = {"plain_add": 20 * 20, "story_add": 20 * 20 * 30, "story_sub": 210 * 30}
-assert set(ARITHMETIC_SIZES) == set(ARITHMETIC_KINDS)
+# 6 names x 5 things in the stories; a subtraction story orders a >= b; plain_mul: a, b in 100..999).
+ARITHMETIC_SIZES = {
+    "plain_add": 20 * 20,
+    "story_add": 20 * 20 * 30,
+    "story_sub": 210 * 30,
+    "plain_mul": 900 * 900,
+}
+assert set(ARITHMETIC_SIZES) == set(VALID_ARITHMETIC_KINDS)
 
 
 def _data(cfg: RLConfig) -> None:

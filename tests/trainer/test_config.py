@@ -121,6 +121,12 @@ def test_rollout_is_without_logprobs_turns_them_on(caplog):
 # words its ConfigError must contain (the user's key, and the value / choices / bound where relevant).
 # A value of None means YAML null. Numbers outside their range are checked by `test_every_range`.
 BAD = [
+    ("env.name", "nope", ["env.name='nope'"]),
+    ("env.kwargs", {"bogus": 1}, ["env.kwargs={'bogus': 1}"]),
+    ("reward.route_by", [1], ["reward.route_by"]),
+    ("reward.routes", {"a": "math"}, ["reward.routes={'a': 'math'} needs reward.route_by"]),
+    ("trainer.pack_sequences", "maybe", ["trainer.pack_sequences", "maybe"]),
+    ("trainer.strategy", "zero3", ["trainer.strategy='zero3' is not one of"]),
     ("model.path", "", ["model.path is missing"]),
     ("model.path", "/no/such/model", ["model.path='/no/such/model' does not exist"]),
     ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['float32', 'bfloat16']"]),
@@ -223,7 +229,8 @@ OUT_OF_RANGE = {
     "trainer.train_batch_size": 0, "trainer.lr": -1e-6, "trainer.weight_decay": -0.1,
     "trainer.warmup_steps": -1, "trainer.max_grad_norm": -1.0, "trainer.max_tokens_per_microbatch": 0,
     "trainer.seed": -1, "trainer.eval_every": -1, "trainer.save_every": -1, "trainer.keep_last": -1,
-    "trainer.num_processes": 0,
+    "trainer.num_processes": 0, "trainer.collective_timeout_s": 0.0, "trainer.logprob_chunk_tokens": -1,
+    "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
 }  # fmt: skip
 
 
