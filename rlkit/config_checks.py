@@ -202,15 +202,10 @@ def _engine_kwargs(cfg: RLConfig) -> None:
 def _device(cfg: RLConfig) -> None:
     import torch
 
-    t, r = cfg.trainer, cfg.rollout
+    t = cfg.trainer
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "trainer.device='cuda' but no CUDA device is visible: use trainer.device=cpu or auto"
-        )
-    if r.engine == "vllm" and (t.device == "cpu" or not torch.cuda.is_available()):
-        raise ConfigError(
-            f"rollout.engine='vllm' needs a CUDA GPU (trainer.device={t.device!r}, CUDA available: "
-            f"{torch.cuda.is_available()}): use rollout.engine=hf or auto"
         )
 
 
