@@ -23,7 +23,6 @@ This module imports nothing heavy at import time: worker processes load it (spaw
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import math
 import multiprocessing as mp
@@ -82,23 +81,9 @@ REGISTRY: dict[str, Callable[[str, str, str], float]] = {"math": math_reward, "f
 @functools.cache
 def resolve(spec: str) -> Callable[[str, str, str], float]:
     """A reward function from a registered name or an import path `module:fn` / `module.fn`."""
-    if spec in REGISTRY:
-        return REGISTRY[spec]
-    if ":" in spec:
-        module, _, name = spec.partition(":")
-    elif "." in spec:
-        module, _, name = spec.rpartition(".")
-    else:
-        raise ValueError(
-            f"reward.fn={spec!r} is not one of {list(REGISTRY)} and is not an import path (module:fn or module.fn)"
-        )
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.fn={spec!r}: cannot import {name!r} from {module!r} ({e})") from e
-    if not callable(fn):
-        raise ValueError(f"reward.fn={spec!r} is not callable")
-    return fn
+    from rlkit.lookup import lookup
+
+    return lookup(spec, REGISTRY, key="reward.fn")
 
 
 def batched(fn: Callable) -> Callable:

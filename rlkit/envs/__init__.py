@@ -21,7 +21,6 @@ path `module:Class` / `module.Class`.
 from __future__ import annotations
 
 import functools
-import importlib
 
 
 class Environment:
@@ -59,25 +58,9 @@ def _registry() -> dict[str, type]:
 @functools.cache
 def resolve_env(spec: str) -> type:
     """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
-    registry = _registry()
-    if spec in registry:
-        return registry[spec]
-    if ":" in spec:
-        module, _, name = spec.partition(":")
-    elif "." in spec:
-        module, _, name = spec.rpartition(".")
-    else:
-        raise ValueError(
-            f"env.name={spec!r} is not one of {list(registry)} and is not an import path "
-            "(module:Class or module.Class)"
-        )
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.name={spec!r}: cannot import {name!r} from {module!r} ({e})") from e
-    if not callable(cls):
-        raise ValueError(f"env.name={spec!r} is not callable")
-    return cls
+    from rlkit.lookup import lookup
+
+    return lookup(spec, _registry(), key="env.name", kind="Class")
 
 
 def make_env(spec: str, kwargs: dict | None = None):
