@@ -52,11 +52,24 @@ def _response_final(response: str) -> str:
     return response
 
 
+_FRACTION = re.compile(r"^\s*-?\d+\s*/\s*\d+\s*$")
+
+
+def _is_number(parsed: list) -> bool:
+    """A math-verify parse that is a single number: an integer, decimal or fraction, not a sum or product."""
+    import sympy
+
+    return isinstance(parsed[0], sympy.Number) or bool(_FRACTION.match(str(parsed[-1])))
+
+
 def math_reward(prompt: str, response: str, answer: str) -> float:
     """1.0 when the response's final answer equals the reference (math-verify), else 0.0.
 
     The response's answer is the text after `####` when present (our prompt asks for it), otherwise
-    math-verify extracts the last number / boxed expression from the whole response.
+    math-verify extracts the last number / boxed expression from the whole response. When the reference
+    is a number, the answer must be a number too: math-verify evaluates an expression, so a response that
+    restates the question ("7 + 15" for "What is 7 + 15?") would otherwise score as the right answer, and
+    a policy learns exactly that.
     """
     from math_verify import parse, verify
 
@@ -64,7 +77,9 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
     if not gold:
         return 0.0
     pred = parse(_response_final(response))
-    return 1.0 if pred and verify(gold, pred) else 0.0
+    if not pred or (_is_number(gold) and not _is_number(pred)):
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
 
 
 _FORMAT_RE = re.compile(r"(####\s*-?[\d,]*\.?\d+)|(\\boxed\{[^}]*\})")

@@ -20,6 +20,14 @@ def test_extract_gsm8k_answer():
         ("#### 8", 0.0),
         ("I don't know", 0.0),
         ("3 + 4 = 7 so #### 6", 0.0),  # the stated final answer counts, not an earlier number
+        # Restating the question is not an answer, although math-verify evaluates 3 + 4 to 7 (a policy
+        # trained on the quickstart learned to echo "a + b" for "What is a + b?").
+        ("3 + 4", 0.0),
+        ("To add 3 + 4, we can use the sum of the", 0.0),
+        ("#### 3 + 4", 0.0),
+        ("#### 14/2", 1.0),  # a fraction is a number
+        ("$7$ apples", 1.0),
+        ("x = 7", 1.0),
     ],
 )
 def test_math_reward(response, expected):
