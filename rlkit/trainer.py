@@ -357,11 +357,15 @@ class Trainer:
             token_metrics.add({"rollout_kl": _masked_mean(rkl, probe)}, probe.sum())
             is_weights = None
             if a.rollout_is.enabled:
+                # Weights and statistics over every sampled token (the rollout's drift, whether or not its
+                # group trains); everything before narrowed the loss mask by whole rows, so the trained
+                # rows' weights are the same, and the rejection only narrows the loss mask further.
                 c = a.rollout_is
-                is_weights, loss_mask, is_metrics = correction.rollout_is(
-                    logp, rollout_logp, loss_mask, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
+                is_weights, kept, is_metrics = correction.rollout_is(
+                    logp, rollout_logp, mask, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
                     veto_lower=c.veto_lower, veto_upper=c.veto_upper,
                 )  # fmt: skip
+                loss_mask = loss_mask & kept
                 token_metrics.add(is_metrics, mask.sum())
 
         # 6. update

@@ -250,6 +250,19 @@ def test_other_algorithms_run_one_step(tiny, tmp_path, extra):
         assert "rollout_is/mean" in m and m["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_rollout_is_statistics_cover_every_sampled_token_when_no_group_trains(tiny, tmp_path):
+    # A constant reward: every group has zero spread, so (masked) nothing trains. The engine and the
+    # learner hold the same weights at step 0, so every IS weight is 1; measured over the empty loss
+    # mask the statistics used to read 0, a fake "catastrophic mismatch".
+    (m,) = train(
+        tiny, tmp_path / "a", "trainer.steps=1", "algo.rollout_is.enabled=true", "algo.mask_zero_std_groups=true",
+        "reward.fn=rlkit_test_rewards:constant",
+    )  # fmt: skip
+    assert m["frac_reward_zero_std"] == 1.0
+    for key in ("rollout_is/mean", "rollout_is/min", "rollout_is/max", "rollout_is/eff_sample_size"):
+        assert m[key] == pytest.approx(1.0, abs=1e-4), key
+
+
 @pytest.mark.parametrize(
     "mismatch_samples,truncation",
     [(0, ()), (2, ()), (2, ("rollout.top_k=20",))],
