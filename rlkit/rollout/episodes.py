@@ -100,6 +100,24 @@ def observation_ids(
     return tokenizer(delta, add_special_tokens=False).input_ids
 
 
+def check_multiturn_template(tokenizer, cfg, messages: list[dict]) -> None:
+    """At start-up, before any model turn: an episode of several turns needs the chat template (to render
+    observations) and a template that only appends (`observation_ids`); probe it on a training prompt."""
+    from rlkit.config import ConfigError
+
+    where = f"env.name={cfg.env.name!r} with env.max_turns={cfg.env.max_turns}"
+    if cfg.data.template != "chat":
+        raise ConfigError(f"{where} renders observations with the chat template: set data.template='chat'")
+    probe = [{"role": "user", "content": "<result>1</result>"}]
+    try:
+        observation_ids(tokenizer, messages or [{"role": "user", "content": "1 + 1?"}], probe, None)
+    except Exception as e:
+        raise ConfigError(
+            f"{where}: the chat template of model.path={cfg.model.path!r} cannot append an observation to a "
+            f"sampled turn ({e}); use a model whose template only appends, or env.max_turns=1"
+        ) from e
+
+
 def _check_step(out) -> tuple[list[dict] | None, float, bool]:
     obs, reward, done = out
     reward = float(reward)

@@ -156,6 +156,10 @@ class Producer:
             )
         self.group_size = cfg.rollout.group_size
         self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
+        if cfg.env.max_turns > 1 and cfg.env.name != "single_turn":
+            from rlkit.rollout.episodes import check_multiturn_template
+
+            check_multiturn_template(self.tokenizer, cfg, prompts.messages[0] if prompts.messages else [])
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -242,3 +242,28 @@ def test_multi_turn_logprobs_equal_learner_recomputation_and_observations_are_ma
     m = rb.response_mask
     assert (rb.rollout_logprobs[m] < 0).all()
     torch.testing.assert_close(logp[m], rb.rollout_logprobs[m], rtol=0, atol=1e-4)
+
+
+def test_multiturn_start_up_check_of_the_chat_template(tok):
+    import copy
+
+    from rlkit.config import ConfigError, load_config
+    from rlkit.rollout.episodes import check_multiturn_template
+    from rlkit.train import compose
+
+    cfg = load_config(compose(["+recipe=calculator", "model.path=tiny-test"]))
+    question = [{"role": "user", "content": "What is 2 * 3?"}]
+    check_multiturn_template(tok, cfg, question)  # SmolLM2's template only appends
+    # A template that re-renders earlier messages when one is added (here: it counts them up front).
+    restless = copy.copy(tok)
+    restless.chat_template = (
+        "{{ messages|length }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    with pytest.raises(ConfigError, match=r"env.max_turns=3.*model.path='tiny-test'.*not prefix-stable"):
+        check_multiturn_template(restless, cfg, question)
+    cfg.data.template = "plain"
+    with pytest.raises(
+        ConfigError, match=r"env.name='calculator' with env.max_turns=3 .*data.template='chat'"
+    ):
+        check_multiturn_template(tok, cfg, question)
