@@ -37,7 +37,8 @@ TEMPLATES = ["chat", "plain"]
 DEVICES = ["auto", "cpu", "cuda"]
 STRATEGIES = ["auto", "fsdp2", "ddp"]
 ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")  # problem types of rlkit.data's generated set
-VALID_ARITHMETIC_KINDS = (*ARITHMETIC_KINDS, "plain_mul")  # plain_mul (3-digit products): opt-in only
+# Opt-in harder kinds: 3-digit products, 2-digit sums, sums of three numbers, two-step stories.
+VALID_ARITHMETIC_KINDS = (*ARITHMETIC_KINDS, "plain_mul", "plain_add2", "plain_add3", "story_two_step")
 
 
 @dataclass
@@ -82,7 +83,9 @@ class DataConfig:
     """`arithmetic` only: number of generated eval problems."""
     arithmetic_kinds: list[str] = field(default_factory=lambda: list(ARITHMETIC_KINDS))
     """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub,
-    plain_mul ("What is a * b?", 3-digit a, b; not in the default)."""
+    plain_mul ("What is a * b?", 3-digit a, b), plain_add2 ("What is a + b?", 2-digit a, b), plain_add3
+    ("What is a + b + c?"), story_two_step (gets b more, then gives away c); the last four are not in the
+    default."""
 
 
 @dataclass

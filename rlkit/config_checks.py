@@ -210,12 +210,16 @@ def _device(cfg: RLConfig) -> None:
 
 
 # Distinct problems of each generated arithmetic kind (rlkit.data._arithmetic_problem: a, b in 1..20,
-# 6 names x 5 things in the stories; a subtraction story orders a >= b; plain_mul: a, b in 100..999).
+# 6 names x 5 things in the stories; a subtraction story orders a >= b; plain_mul: a, b in 100..999;
+# plain_add2: a, b in 10..99; plain_add3: c in 1..20; story_two_step: c in 1..a+b).
 ARITHMETIC_SIZES = {
     "plain_add": 20 * 20,
     "story_add": 20 * 20 * 30,
     "story_sub": 210 * 30,
     "plain_mul": 900 * 900,
+    "plain_add2": 90 * 90,
+    "plain_add3": 20 * 20 * 20,
+    "story_two_step": sum(a + b for a in range(1, 21) for b in range(1, 21)) * 30,
 }
 assert set(ARITHMETIC_SIZES) == set(VALID_ARITHMETIC_KINDS)
 

@@ -47,6 +47,19 @@ def _arithmetic_problem(rng: random.Random, kinds: tuple[str, ...] = ARITHMETIC_
     elif kind == "plain_mul":
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         question, work, result = f"What is {a} * {b}?", f"{a} * {b} = {a * b}", a * b
+    elif kind == "plain_add2":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        question, work, result = f"What is {a} + {b}?", f"{a} + {b} = {a + b}", a + b
+    elif kind == "plain_add3":
+        c = rng.randint(1, 20)
+        question, work, result = f"What is {a} + {b} + {c}?", f"{a} + {b} + {c} = {a + b + c}", a + b + c
+    elif kind == "story_two_step":
+        c = rng.randint(1, a + b)
+        question = (
+            f"{name} has {a} {thing}. {name} gets {b} more, then gives away {c}. "
+            f"How many {thing} does {name} have now?"
+        )
+        work, result = f"{a} + {b} = {a + b}, {a + b} - {c} = {a + b - c}", a + b - c
     else:
         a, b = max(a, b), min(a, b)
         question = f"{name} had {a} {thing} and gave away {b}. How many {thing} are left?"

@@ -98,6 +98,45 @@ def test_arithmetic_kinds_select_problem_types(tmp_path):
         generate_arithmetic(tmp_path / "bad", num_train=3, num_eval=1, kinds=("multiply",))
 
 
+@pytest.mark.parametrize(
+    "kind, numbers, result",
+    [
+        ("plain_add2", 2, lambda a, b: a + b),
+        ("plain_add3", 3, lambda a, b, c: a + b + c),
+        ("story_two_step", 3, lambda a, b, c: a + b - c),
+    ],
+)
+def test_harder_arithmetic_kinds_are_right_and_within_their_ranges(tmp_path, kind, numbers, result):
+    import re
+
+    from rlkit.config_checks import ARITHMETIC_SIZES
+
+    d = generate_arithmetic(tmp_path / kind, num_train=300, num_eval=20, seed=1, kinds=(kind,))
+    rows = [
+        json.loads(line) for f in ("train.jsonl", "test.jsonl") for line in (d / f).read_text().splitlines()
+    ]
+    assert len({r["question"] for r in rows}) == 320
+    for r in rows:
+        values = [int(x) for x in re.findall(r"\d+", r["question"])]
+        assert len(values) == numbers, r["question"]
+        expected = result(*values)
+        assert expected >= 0 and r["answer"].endswith(f"#### {expected}")
+        if kind == "plain_add2":
+            assert all(10 <= v <= 99 for v in values)
+        elif kind == "plain_add3":
+            assert all(1 <= v <= 20 for v in values)
+        else:
+            assert all(1 <= v <= 20 for v in values[:2]) and 1 <= values[2] <= values[0] + values[1]
+    # The declared number of distinct problems (checked at start-up against num_train + num_eval), counted
+    # here by hand from the ranges: 2-digit pairs; three numbers in 1..20; c in 1..a+b with 6 names x 5 things.
+    by_hand = {
+        "plain_add2": 90 * 90,
+        "plain_add3": 20**3,
+        "story_two_step": 30 * sum(a + b for a in range(1, 21) for b in range(1, 21)),
+    }
+    assert ARITHMETIC_SIZES[kind] == by_hand[kind]
+
+
 # ------------------------------------------------------------------------------------------ bad data
 # Each bad file gives an error naming the file, the 1-based line and (for a bad value) the key, or a
 # counted, logged skip. Line numbers below are counted by hand from the text written.
