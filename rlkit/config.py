@@ -42,6 +42,21 @@ VALID_ARITHMETIC_KINDS = (*ARITHMETIC_KINDS, "plain_mul", "plain_add2", "plain_a
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank (peft): 0 trains every weight; > 0 trains low-rank adapters only, the base weights stay
+    frozen in the compute dtype, the reference is the base (adapters off) and engines get merged weights."""
+    alpha: float = 32.0
+    """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get adapters (peft `target_modules`)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """Hub id, local HF checkpoint dir, or a short name resolved by rlkit.models (e.g. `smollm2-135m`)."""
@@ -50,6 +65,7 @@ class ModelConfig:
     it needs loss scaling, which the learner does not do)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -57,6 +57,9 @@ UNIT = Range(0, 1)  # [0, 1]
 # The valid values of every int / float key (Optional keys: when not null).
 RANGES: dict[str, Range] = {
     "data.eval_size": _ge(0),
+    "model.lora.rank": _ge(0),
+    "model.lora.alpha": _gt(0),
+    "model.lora.dropout": Range(0, 1, hi_open=True),
     "data.max_prompt_tokens": _ge(1),
     "data.num_train": _ge(1),
     "data.num_eval": _ge(1),
@@ -273,6 +276,11 @@ def check_rules(cfg: RLConfig) -> None:
     for key, path in (("model.path", m.path), ("reward.model", cfg.reward.model)):
         if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
             raise ConfigError(f"{key}={path!r} does not exist (a local path: it starts with / . or ~)")
+    targets = list(m.lora.target_modules)
+    if not targets or not all(isinstance(x, str) and x for x in targets):
+        raise ConfigError(
+            f"model.lora.target_modules={targets!r} must be a non-empty list of module names, e.g. [q_proj, v_proj]"
+        )
     if len(t.betas) != 2 or any(b is None or not 0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={list(t.betas)!r} must be two values in [0, 1), e.g. [0.9, 0.999]")
     optimizer_steps = t.steps * a.ppo_epochs * a.mini_batches

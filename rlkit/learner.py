@@ -84,6 +84,19 @@ class LearnerConfig:
     """Data-parallel wrapper with several processes: "auto" (FSDP2 on CUDA, DDP on CPU), "fsdp2" or "ddp"."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (transformers' gradient checkpointing, non-reentrant)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank (peft) instead of full fine-tuning; 0 = off (see rlkit.lora)."""
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     lr: float = 1e-6
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -570,13 +583,19 @@ class Learner:
         self.world_size = acc.num_processes
         self.compute_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
 
-        # fp32 master weights; accelerate casts compute to bf16 under mixed precision.
-        policy = _load_causal_lm(cfg.model_path, torch.float32, "cpu")
+        self.lora = cfg.lora_rank > 0
+        # fp32 master weights; accelerate casts compute to bf16 under mixed precision. With LoRA only
+        # the adapters train: the frozen base is loaded in the compute dtype (no fp32 master copy).
+        policy = _load_causal_lm(cfg.model_path, self.compute_dtype if self.lora else torch.float32, "cpu")
         policy.config.use_cache = False
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            from rlkit.lora import add_adapters
+
+            policy = add_adapters(policy, cfg)
         self.ref_model = None
-        if cfg.kl_coef > 0 or cfg.load_reference:
+        if (cfg.kl_coef > 0 or cfg.load_reference) and not self.lora:  # LoRA: the base, adapters off
             self.ref_model = self._prepare_frozen(_load_causal_lm(cfg.model_path, self.compute_dtype, "cpu"))
 
         optimizer = self._adamw(policy)
@@ -609,7 +628,8 @@ class Learner:
 
     def _adamw(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         c = self.cfg
-        return torch.optim.AdamW(model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
 
     # -- forward passes ------------------------------------------------------------------------
 
@@ -672,7 +692,7 @@ class Learner:
         must call it (FSDP all-gathers inside); `ref=True` needs `kl_coef > 0`, `values=True` needs
         `value_model`.
         """
-        if ref and self.ref_model is None:
+        if ref and self.ref_model is None and not self.lora:
             raise ValueError(
                 "forward(ref=True) needs a reference model; it is loaded only when learner.kl_coef > 0"
             )
@@ -689,7 +709,10 @@ class Learner:
             results = {}
             if policy:
                 results["logprobs"], results["entropy"] = self._logprobs(self.model, m, entropy=True)
-            if ref:
+            if ref and self.lora:
+                with self.accelerator.unwrap_model(self.model).disable_adapter():
+                    results["ref_logprobs"], _ = self._logprobs(self.model, m, entropy=False)
+            elif ref:
                 results["ref_logprobs"], _ = self._logprobs(self.ref_model, m, entropy=False)
             if values:
                 results["values"] = self._values(m)
@@ -930,7 +953,12 @@ class Learner:
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) of the policy, one parameter at a time; every rank must iterate it."""
-        yield from iter_full_parameters(self.accelerator.unwrap_model(self.model))
+        named = iter_full_parameters(self.accelerator.unwrap_model(self.model))
+        if self.lora:  # the engines get merged weights under the base model's names
+            from rlkit.lora import merged_weights
+
+            named = merged_weights(named, scale=self.cfg.lora_alpha / self.cfg.lora_rank)
+        yield from named
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """`dir/model` (HF format), `dir/value_model` (critic), `dir/state` (optimizer, schedulers, RNG).
@@ -945,9 +973,19 @@ class Learner:
         for name, model in (("model", self.model), ("value_model", self.value_model)):
             if model is None:
                 continue
+            if name == "model" and self.lora:  # an HF checkpoint of the merged weights, as without LoRA
+                merged = {n: t.clone() for n, t in self.named_weights()}  # every rank gathers in step
+                acc.unwrap_model(model).get_base_model().save_pretrained(
+                    directory / name, state_dict=merged, is_main_process=acc.is_main_process
+                )
+                continue
             state_dict = acc.get_state_dict(model)  # full weights, gathered on the main process
             acc.unwrap_model(model).save_pretrained(
                 directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
+            )
+        if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
+            acc.unwrap_model(self.model).save_pretrained(
+                directory / "adapter", state_dict=None, is_main_process=acc.is_main_process
             )
         acc.save_state(str(directory / "state"))
         if acc.is_main_process:  # plain JSON, not a pickle: loading a checkpoint never runs code

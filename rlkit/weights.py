@@ -69,7 +69,12 @@ def tied_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
 
 def learner_manifest(learner) -> Manifest:
     """The manifest of the policy `learner.named_weights()` streams (metadata only)."""
-    return module_manifest(learner.accelerator.unwrap_model(learner.model))
+    manifest = module_manifest(learner.accelerator.unwrap_model(learner.model))
+    if getattr(learner, "lora", False):  # merged weights under the base model's names
+        from rlkit.lora import base_manifest
+
+        manifest = base_manifest(manifest)
+    return manifest
 
 
 def check_manifest(given: Manifest, expected: Manifest, *, engine: str) -> None:

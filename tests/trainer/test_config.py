@@ -132,6 +132,7 @@ BAD = [
     ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['float32', 'bfloat16']"]),
     ("model.dtype", "fp8", ["model.dtype='fp8' is not one of ['float32', 'bfloat16']"]),
     ("model.gradient_checkpointing", "maybe", ["model.gradient_checkpointing", "maybe"]),
+    ("model.lora.target_modules", [], ["model.lora.target_modules=[] must be a non-empty list"]),
     ("data.path", "", ["data.path is missing"]),
     ("data.path", "/no/such/file.jsonl", ["data.path='/no/such/file.jsonl' does not exist"]),
     ("data.subset", [1], ["data.subset"]),
@@ -230,6 +231,7 @@ OUT_OF_RANGE = {
     "trainer.seed": -1, "trainer.eval_every": -1, "trainer.save_every": -1, "trainer.keep_last": -1,
     "trainer.num_processes": 0, "trainer.collective_timeout_s": 0.0, "trainer.logprob_chunk_tokens": -1,
     "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
+    "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
 }  # fmt: skip
 
 

@@ -385,3 +385,49 @@ def test_eval_is_never_masked_whatever_its_group_size(tiny, tmp_path, k):
     assert result["eval/pass@1"] == pytest.approx(correct_samples / (4 * k))
     if k > 1:
         assert result[f"eval/pass@{k}"] == pytest.approx(3 / 4)
+
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02", "rollout.weight_sync_kl_threshold=1e-3")
+
+
+def test_lora_run_passes_the_sync_checks_resumes_exactly_and_saves_adapter_and_merged_model(tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    extra = (*LORA, "algo.kl_coef=0.05")  # the KL reference is the base model with adapters off
+    straight = train(tiny, tmp_path / "a", "trainer.steps=4", *extra)
+    first = train(tiny, tmp_path / "b", "trainer.steps=2", *extra)
+    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto", *extra)
+    for want, got in zip(straight, first + second):
+        for k in ("reward/mean", "loss/total", "grad_norm", "mismatch/kl", "rollout/kl"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    assert abs(straight[0]["rollout/kl"]) < 1e-6 < abs(straight[-1]["rollout/kl"])  # policy leaves the base
+    ckpt = tmp_path / "a/checkpoints/step_4"
+    wa, wb = _weights(ckpt), _weights(tmp_path / "b/checkpoints/step_4")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+    # `model/` is the merged model (plain HF), `adapter/` the adapter in peft's format: base + adapter,
+    # merged by peft, equals it.
+    merged = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), ckpt / "adapter")
+    again = again.merge_and_unload()
+    theirs = dict(again.named_parameters())
+    for name, p in merged.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-6)
+    base = dict(AutoModelForCausalLM.from_pretrained(tiny).named_parameters())
+    assert any(not torch.equal(p, base[n]) for n, p in merged.named_parameters())
+
+
+def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkeypatch):
+    import rlkit.lora
+    from rlkit.trainer import WeightSyncError
+
+    def base_only(named, *, scale):  # the bug peers shipped: the adapter never reaches the engine
+        for name, tensor in named:
+            base = rlkit.lora.base_name(name)
+            if base is not None:
+                yield base, tensor
+
+    monkeypatch.setattr(rlkit.lora, "merged_weights", base_only)
+    with pytest.raises(WeightSyncError, match="after the first weight push"):
+        train(tiny, tmp_path / "w", *LORA, "trainer.lr=0.05")

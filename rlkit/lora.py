@@ -1,0 +1,85 @@
+"""LoRA adapters for the policy (peft), and the merged weights the rollout engines receive.
+
+With `model.lora.rank > 0` the learner wraps the policy with peft's LoRA: only the adapters train (and
+have optimizer state); the base weights stay frozen in the compute dtype. The reference model of the
+KL loss is the same model with its adapters switched off, so no second copy is loaded.
+
+The engines never see adapters: `merged_weights` turns the learner's parameter stream into the base
+model's names and shapes, each adapted linear layer merged out of place as `W + (alpha / rank) B A`.
+So the engine's manifest check is unchanged, and the weight-sync check (`mismatch/kl` at step 0 and
+after the first push) proves the adapter arrived: a push that dropped it leaves the engine on the base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+PEFT_PREFIX = "base_model.model."
+_BASE = ".base_layer."
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.")
+
+
+def add_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """`model` wrapped by peft with LoRA adapters from a LearnerConfig's `lora_*` fields; only the
+    adapters require grad."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_target_modules),
+        bias="none",
+    )
+    peft_model = get_peft_model(model, config)
+    if cfg.gradient_checkpointing:  # inputs of a frozen embedding need grad for checkpointed blocks
+        peft_model.enable_input_require_grads()
+    return peft_model
+
+
+def base_name(name: str) -> str | None:
+    """The base model's name of a peft parameter name; None for an adapter parameter."""
+    if any(part in name for part in _ADAPTER_PARTS):
+        return None
+    name = name.removeprefix(PEFT_PREFIX)
+    return name.replace(_BASE, ".")
+
+
+def base_manifest(manifest: dict[str, tuple]) -> dict[str, tuple]:
+    """A peft model's manifest (name -> shape) as the base model's: adapters left out, names unwrapped."""
+    out = {}
+    for name, shape in manifest.items():
+        base = base_name(name)
+        if base is not None:
+            out[base] = shape
+    return out
+
+
+def merged_weights(named: Iterable[tuple[str, Tensor]], *, scale: float) -> Iterator[tuple[str, Tensor]]:
+    """(base name, tensor) for a stream of a peft model's (name, full tensor): every adapted layer's
+    weight merged as `W + scale * B @ A` (new tensors; the model is not touched), adapters not yielded.
+
+    The stream may hold a layer's base weight and its A and B in any order: each layer's pieces are
+    held until all three have arrived (at most one layer's worth in practice: they are neighbours)."""
+    pending: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in named:
+        for part, key in ((".base_layer.weight", "W"), (".lora_A.", "A"), (".lora_B.", "B")):
+            if part in name:
+                layer = name[: name.index(part)]
+                pieces = pending.setdefault(layer, {})
+                pieces[key] = tensor
+                if len(pieces) == 3:
+                    del pending[layer]
+                    w, a, b = pieces["W"], pieces["A"], pieces["B"]
+                    delta = (b.float() @ a.float()) * scale
+                    yield base_name(layer + ".weight"), (w.float() + delta).to(w.dtype)
+                break
+        else:
+            yield base_name(name), tensor
+    if pending:
+        raise RuntimeError(
+            f"LoRA merge: incomplete layers {sorted(pending)[:3]} (base weight, A and B expected)"
+        )

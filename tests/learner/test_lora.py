@@ -1,0 +1,120 @@
+"""LoRA (rlkit/lora.py): adapters only train, the reference is the base model, engines get merged weights.
+
+Expected values come from independent models: a separately loaded base model, and a deep copy of the
+trained peft model merged by peft's own `merge_and_unload`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from learner_helpers import make_batch
+from transformers import AutoModelForCausalLM
+
+from rlkit.learner import Learner, LearnerConfig
+from rlkit.weights import push_weights
+
+RANK, ALPHA = 4, 8.0
+
+
+def _cfg(path, **kw):
+    base = dict(model_path=path, dtype="float32", lr=5e-2, lora_rank=RANK, lora_alpha=ALPHA)
+    return LearnerConfig(**{**base, **kw})
+
+
+def _update(learner, seed=0):
+    batch = make_batch(all_fields=False, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    fields = {**batch.tensor_fields(), "advantages": torch.randn(batch.advantages.shape, generator=g)}
+    if learner.cfg.kl_coef > 0:  # the KL loss term, against the reference (here: adapters off)
+        fields["ref_logprobs"] = learner.forward(batch, policy=False, ref=True).ref_logprobs
+    return learner.update(type(batch)(**fields))
+
+
+def _plain_logprobs(model, batch):
+    """Log-probs of the response tokens under `model`, by a plain full-logits forward (no learner code)."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    p = batch.prompt_ids.shape[1]
+    logp = torch.log_softmax(logits[:, p - 1 : -1], dim=-1)
+    out = logp.gather(-1, batch.response_ids[..., None])[..., 0]
+    return torch.where(batch.response_mask, out, 0.0)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir):
+    learner = Learner(_cfg(tiny_model_dir, kl_coef=0.1))
+    _update(learner, seed=0)
+    _update(learner, seed=1)
+    return learner
+
+
+def test_only_adapters_train_and_hold_optimizer_state(tiny_model_dir, trained):
+    model = trained.accelerator.unwrap_model(trained.model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # Frozen weights did not move (a separately loaded base model is the expectation).
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    base_params = dict(base.named_parameters())
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            clean = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(p.detach(), base_params[clean].detach()), name
+    # Adapters moved away from their zero-initialised B.
+    assert any(p.abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
+    # Optimizer state covers the adapters only, and is far smaller than full fine-tuning's.
+    state = trained.optimizer.state_dict()["state"]
+    lora_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state_numel = sum(t.numel() for s in state.values() for t in s.values() if t.dim() > 0)
+    assert state_numel == 2 * lora_numel  # Adam's two moments
+    full = Learner(LearnerConfig(model_path=tiny_model_dir, dtype="float32", lr=5e-2))
+    _update(full)
+    full_numel = sum(
+        t.numel() for s in full.optimizer.state_dict()["state"].values() for t in s.values() if t.dim() > 0
+    )
+    full_trainable = sum(p.numel() for p in full.model.parameters() if p.requires_grad)
+    print(
+        f"trainable {lora_numel} vs {full_trainable}; optimizer state {state_numel} vs {full_numel} numbers"
+    )
+    assert lora_numel < full_trainable / 3 and state_numel < full_numel / 3
+
+
+def test_reference_is_the_base_model_with_adapters_off(tiny_model_dir, trained):
+    assert trained.ref_model is None  # no second model loaded
+    batch = make_batch(all_fields=False, seed=5)
+    lp = trained.forward(batch, policy=True, ref=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    expected_ref = _plain_logprobs(base, batch)
+    torch.testing.assert_close(lp.ref_logprobs, expected_ref, atol=1e-5, rtol=0)
+    # ... while the policy (adapters on) differs from it after training.
+    assert (lp.logprobs - expected_ref)[batch.response_mask].abs().max() > 1e-3
+
+
+def test_pushed_weights_are_the_merged_model_and_the_engine_scores_like_it(tiny_model_dir, trained):
+    class Recording:
+        def load_weights(self, named, *, manifest):
+            self.manifest = manifest
+            self.received = {n: t.clone() for n, t in named}
+
+    engine = Recording()
+    push_weights(trained, engine)
+    model = trained.accelerator.unwrap_model(trained.model)
+    merged = copy.deepcopy(model).merge_and_unload()  # peft's own merge, on a copy
+    expected = dict(merged.named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert engine.manifest == {n: tuple(p.shape) for n, p in base.named_parameters()}
+    assert engine.received.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(engine.received[name], tensor.detach(), atol=1e-6, rtol=0)
+    # The trained model itself was not merged: adapters still there, base weights still the base's.
+    assert any(".lora_A." in n for n, _ in model.named_parameters())
+    # A model holding the pushed weights scores like the learner's policy.
+    base.load_state_dict(engine.received, strict=False)
+    batch = make_batch(all_fields=False, seed=6)
+    torch.testing.assert_close(
+        _plain_logprobs(base, batch), trained.forward(batch).logprobs, atol=1e-5, rtol=0
+    )
