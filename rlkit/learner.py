@@ -984,8 +984,10 @@ class Learner:
                 directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
             )
         if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
-            acc.unwrap_model(self.model).save_pretrained(
-                directory / "adapter", state_dict=None, is_main_process=acc.is_main_process
+            peft_model = acc.unwrap_model(self.model)
+            adapters = {n: t.clone() for n, t in iter_full_parameters(peft_model) if ".lora_" in n}
+            peft_model.save_pretrained(
+                directory / "adapter", state_dict=adapters, is_main_process=acc.is_main_process
             )
         acc.save_state(str(directory / "state"))
         if acc.is_main_process:  # plain JSON, not a pickle: loading a checkpoint never runs code

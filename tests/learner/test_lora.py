@@ -118,3 +118,15 @@ def test_pushed_weights_are_the_merged_model_and_the_engine_scores_like_it(tiny_
     torch.testing.assert_close(
         _plain_logprobs(base, batch), trained.forward(batch).logprobs, atol=1e-5, rtol=0
     )
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_update(tiny_model_dir):
+    plain = Learner(_cfg(tiny_model_dir))
+    ckpt = Learner(_cfg(tiny_model_dir, gradient_checkpointing=True))
+    _update(plain)
+    _update(ckpt)
+    a = {n: p for n, p in plain.accelerator.unwrap_model(plain.model).named_parameters() if p.requires_grad}
+    b = {n: p for n, p in ckpt.accelerator.unwrap_model(ckpt.model).named_parameters() if p.requires_grad}
+    assert a.keys() == b.keys() and any(p.abs().max() > 0 for n, p in a.items() if ".lora_B." in n)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=1e-6, rtol=0)
