@@ -86,3 +86,19 @@ def test_training_with_vllm_syncs_resumes_and_splits_over_two_processes(tiny, tm
     for want, got in zip(a[:2], c):
         for k in KEYS:
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+
+
+def test_lora_training_with_vllm_passes_the_weight_sync_check(tiny, tmp_path):
+    """LoRA: the vLLM engine receives the merged weights (base names; no adapter mode in the engine) and
+    agrees with the learner after every push, at the tight threshold of `_args`."""
+    run_dir = tmp_path / "lora"
+    _wait(
+        _start(
+            *_args(
+                tiny, run_dir, "trainer.steps=3", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02"
+            )
+        )
+    )
+    steps = _steps(run_dir)
+    assert len(steps) == 3 and all(abs(m["mismatch/kl"]) < 1e-3 for m in steps)
+    assert all(m["grad_norm"] > 0 for m in steps)
