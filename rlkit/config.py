@@ -41,6 +41,10 @@ ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")  # problem types of r
 VALID_ARITHMETIC_KINDS = (*ARITHMETIC_KINDS, "plain_mul", "plain_add2", "plain_add3", "story_two_step")
 
 
+# Every attention and MLP projection of Llama-style models (peft `target_modules`).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass
 class LoraConfig:
     rank: int = 0
@@ -50,9 +54,7 @@ class LoraConfig:
     """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
     dropout: float = 0.0
     """Dropout on the adapters' input."""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
     """Names of the linear layers that get adapters (peft `target_modules`)."""
 
 

@@ -54,6 +54,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from rlkit.batch import Sequences, TrainBatch
+from rlkit.config import LORA_TARGET_MODULES
 from rlkit.logprobs import chunked_logprobs, logprobs_from_logits
 from rlkit.metrics import MetricMerger
 
@@ -88,15 +89,7 @@ class LearnerConfig:
     """LoRA adapters of this rank (peft) instead of full fine-tuning; 0 = off (see rlkit.lora)."""
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
-    lora_target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
     lr: float = 1e-6
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -953,12 +946,15 @@ class Learner:
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) of the policy, one parameter at a time; every rank must iterate it."""
-        named = iter_full_parameters(self.accelerator.unwrap_model(self.model))
-        if self.lora:  # the engines get merged weights under the base model's names
-            from rlkit.lora import merged_weights
+        yield from self._merged(iter_full_parameters(self.accelerator.unwrap_model(self.model)))
 
-            named = merged_weights(named, scale=self.cfg.lora_alpha / self.cfg.lora_rank)
-        yield from named
+    def _merged(self, named: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """With LoRA the engines get merged weights under the base model's names (rlkit.lora)."""
+        if not self.lora:
+            return named
+        from rlkit.lora import merged_weights
+
+        return merged_weights(named, scale=self.cfg.lora_alpha / self.cfg.lora_rank)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """`dir/model` (HF format), `dir/value_model` (critic), `dir/state` (optimizer, schedulers, RNG).
@@ -973,26 +969,40 @@ class Learner:
         for name, model in (("model", self.model), ("value_model", self.value_model)):
             if model is None:
                 continue
-            if name == "model" and self.lora:  # an HF checkpoint of the merged weights, as without LoRA
-                merged = {n: t.clone() for n, t in self.named_weights()}  # every rank gathers in step
-                acc.unwrap_model(model).get_base_model().save_pretrained(
-                    directory / name, state_dict=merged, is_main_process=acc.is_main_process
-                )
+            if name == "model" and self.lora:
+                self._save_lora(directory)
                 continue
             state_dict = acc.get_state_dict(model)  # full weights, gathered on the main process
             acc.unwrap_model(model).save_pretrained(
                 directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
             )
-        if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
-            peft_model = acc.unwrap_model(self.model)
-            adapters = {n: t.clone() for n, t in iter_full_parameters(peft_model) if ".lora_" in n}
-            peft_model.save_pretrained(
-                directory / "adapter", state_dict=adapters, is_main_process=acc.is_main_process
-            )
         acc.save_state(str(directory / "state"))
         if acc.is_main_process:  # plain JSON, not a pickle: loading a checkpoint never runs code
             (directory / "state" / SCHEDULERS_FILE).write_text(json.dumps(self._scheduler_states()))
         acc.wait_for_everyone()
+
+    def _save_lora(self, directory: Path) -> None:
+        """`dir/model`: the merged weights as a plain HF checkpoint, as without LoRA; `dir/adapter`: the
+        adapter alone in peft's format (PeftModel.from_pretrained). One gathering pass over the
+        parameters serves both (every rank iterates it in step)."""
+        from rlkit.lora import base_name
+
+        acc, peft_model = self.accelerator, self.accelerator.unwrap_model(self.model)
+        adapters: dict[str, Tensor] = {}
+
+        def keep_adapters(named):
+            for n, t in named:
+                if base_name(n) is None:
+                    adapters[n] = t.clone()
+                yield n, t
+
+        merged = {n: t.clone() for n, t in self._merged(keep_adapters(iter_full_parameters(peft_model)))}
+        peft_model.get_base_model().save_pretrained(
+            directory / "model", state_dict=merged, is_main_process=acc.is_main_process
+        )
+        peft_model.save_pretrained(
+            directory / "adapter", state_dict=adapters, is_main_process=acc.is_main_process
+        )
 
     def _scheduler_states(self) -> list[dict]:
         return [s.state_dict() for s in (self.scheduler, self.value_scheduler) if s is not None]
