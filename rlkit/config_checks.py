@@ -113,6 +113,8 @@ RANGES: dict[str, Range] = {
     "trainer.num_processes": _ge(1),
     "trainer.collective_timeout_s": _gt(0),
     "trainer.logprob_chunk_tokens": _ge(0),  # 0 = full logits
+    "trainer.max_staleness": _ge(0),
+    "trainer.rollout_gpus": _ge(1),
     "env.max_turns": _ge(1),
     "env.max_total_tokens": _ge(1),
     "env.timeout_s": _gt(0),

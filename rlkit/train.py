@@ -49,7 +49,9 @@ def _default_num_processes(cfg: DictConfig) -> int:
     import torch
 
     if cfg.trainer.device != "cpu" and torch.cuda.is_available():
-        return max(1, torch.cuda.device_count())
+        # async: the last trainer.rollout_gpus GPUs belong to the rollout workers (rlkit/rollout/remote.py)
+        reserved = cfg.trainer.rollout_gpus if cfg.trainer.mode == "async" else 0
+        return max(1, torch.cuda.device_count() - reserved)
     return 1
 
 

@@ -2,12 +2,14 @@
 
     1 generate     engine.wake -> engine.generate (whole groups per rank) -> engine.sleep
     2 reward       reward functions in worker processes (errors / timeouts count, never crash)
+                   (1-2 are the rollout half: `self.rollouts.produce`, in this process with
+                   trainer.mode=sync, in rollout worker processes with trainer.mode=async)
     3 logprobs     learner.forward: current policy (mismatch metrics, IS, off-policy ratio),
                    reference (KL), values (PPO)
     4 advantages   rlkit.algos.advantages (+ zero-std group masking, + KL-shaped rewards for PPO)
     5 correction   rlkit.algos.correction.rollout_is + mismatch metrics
     6 update       learner.update(TrainBatch)
-    7 weight push  rlkit.weights.push_weights (+ the weight-sync check at the first steps)
+    7 weight push  self.rollouts.push (+ the weight-sync check at the first steps)
     8 eval         every trainer.eval_every steps and at the end (never masked)
     9 checkpoint   every trainer.save_every steps, at the end, and on SIGTERM / SIGINT
 
@@ -32,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from rlkit.config import RLConfig, to_dict
-from rlkit.rollout.producer import sampling_seed
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +136,11 @@ class Trainer:
     """Builds everything from the config and runs `train()`. One instance per rank."""
 
     def __init__(self, cfg: RLConfig):
-        from rlkit.data import PromptOrder, build_prompts, load_splits
         from rlkit.learner import Learner, make_accelerator
         from rlkit.models import load_tokenizer
-        from rlkit.rewards import RewardScorer
-        from rlkit.rollout import make_engine
-        from rlkit.rollout.producer import Producer
 
         self.cfg = cfg
-        t, r = cfg.trainer, cfg.rollout
+        t = cfg.trainer
         self.lcfg = learner_config(cfg)
         # The accelerator initialises torch.distributed when launched with several processes.
         self.accelerator = make_accelerator(self.lcfg)
@@ -159,49 +156,21 @@ class Trainer:
         self._run_lock = self._guard_run_dir()
 
         self.tokenizer = load_tokenizer(cfg.model.path)
-        train_ds, eval_ds = load_splits(cfg.data, seed=t.seed)
-        self.train_prompts = build_prompts(train_ds, self.tokenizer, cfg.data, name="train")
-        self.eval_prompts = (
-            build_prompts(eval_ds, self.tokenizer, cfg.data, name="eval") if len(eval_ds) else None
-        )
-        self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
-        self.group_size = r.group_size
-        self.prompts_per_rank = t.train_batch_size // (r.group_size * self.world)
-
-        self.scorer = RewardScorer(
-            cfg.reward.fn,
-            cfg.reward.extra,
-            timeout_s=cfg.reward.timeout_s,
-            num_workers=cfg.reward.num_workers,
-            also=["math"],
-            route_by=cfg.reward.route_by,
-            routes=cfg.reward.routes,
-            batch_timeout_s=cfg.reward.batch_timeout_s,
-        )
+        self.group_size = cfg.rollout.group_size
         self.learner = Learner(self.lcfg, self.accelerator)
         self.device = self.learner.device
-        # None: the engine takes this rank's GPU (set by the accelerator) or the CPU.
-        engine_device = "cpu" if t.device == "cpu" else None
-        self.engine = make_engine(
-            r.engine,
-            cfg.model.path,
-            dtype=cfg.model.dtype,
-            device=engine_device,
-            seed=t.seed,
-            **r.engine_kwargs,
-        )
-        reward_model = None
-        if cfg.reward.model is not None:
-            from rlkit.reward_model import RewardModel
+        # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
+        if t.mode == "sync":
+            from rlkit.rollout.local import LocalRollouts
 
-            reward_model = RewardModel(
-                cfg.reward.model, device=self.device, batch_size=cfg.reward.model_batch_size,
-                dtype=self.learner.compute_dtype,
+            self.rollouts = LocalRollouts(
+                cfg, rank=self.rank, world=self.world, device=self.device, tokenizer=self.tokenizer,
+                reward_dtype=self.learner.compute_dtype,
             )  # fmt: skip
-        self.producer = Producer(
-            cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=self.rank, world=self.world,
-            device=self.device, reward_model=reward_model, tokenizer=self.tokenizer,
-        )  # fmt: skip
+        else:
+            from rlkit.rollout.remote import AsyncRollouts
+
+            self.rollouts = AsyncRollouts(cfg, rank=self.rank, world=self.world, device=self.device)
 
         self.step = 0
         self.wandb_id = None
@@ -280,19 +249,22 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One step on this rank's share of the global batch; returns the global metrics (all ranks)."""
+        timers = Timers()
+        step_start = time.perf_counter()
+        # 1-2. generate and reward (+ environment turns, overlong shaping, dynamic sampling): in this
+        # process (rlkit/rollout/local.py) or from the rollout workers (rlkit/rollout/remote.py).
+        produced = self.rollouts.produce(self.step, timers)
+        return self.learn(produced, timers, step_start)
+
+    def learn(self, produced, timers: Timers, step_start: float) -> dict[str, float]:
+        """Phases 3-7 on a `ScoredBatch` generated by the policy of step `produced.policy_version`."""
         from rlkit.algos import advantages as adv
         from rlkit.algos import correction, kl
         from rlkit.batch import Sequences, TrainBatch
         from rlkit.metrics import MetricMerger
-        from rlkit.weights import push_weights
 
         cfg, a = self.cfg, self.cfg.algo
         G = self.group_size
-        timers = Timers()
-        step_start = time.perf_counter()
-
-        # 1-2. generate and reward (+ overlong shaping, dynamic sampling): rlkit/rollout/producer.py
-        produced = self.producer.produce(self.step, timers)
         rb = produced.rollout
         mask = rb.response_mask.to(self.device).bool()
         rollout_logp = rb.rollout_logprobs.to(self.device).float()
@@ -389,9 +361,10 @@ class Trainer:
             )
             update_metrics = self.learner.update(batch)
 
-        # 7. weight push
+        # 7. weight push (the rollout side evaluates the new weights when an eval is due)
         with timers("weight_push"):
-            push_stats = push_weights(self.learner, self.engine)
+            version = self.step + 1
+            push_stats = self.rollouts.push(self.learner, version, evaluate=self._eval_due(version))
 
         # Global per-sample statistics (ranks hold equal numbers of samples).
         lengths = self._gather(mask.sum(-1).float())
@@ -422,6 +395,9 @@ class Trainer:
             stats[f"env/{name}"] = self._gather(values.to(self.device)).mean()
         stats["env/errors"] = self._sum(torch.tensor([float(produced.env_errors)], device=self.device))[0]
         stats["env/timeouts"] = self._sum(torch.tensor([float(produced.env_timeouts)], device=self.device))[0]
+        # Policy versions between the weights that generated the batch and the ones it trains (async).
+        stats["staleness/mean"] = stats["staleness/max"] = float(self.step - produced.policy_version)
+        stats["staleness/dropped"] = 0.0
         stats.update(produced.stats)
         stats.update(token_metrics.compute())
         stats.update(update_metrics)
@@ -438,6 +414,11 @@ class Trainer:
         metrics["perf/gen_tokens_per_s"] = float(tokens[0]) / max(timers.seconds["timing/generate_s"], 1e-9)
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
         metrics["perf/peak_memory_gb"] = _peak_memory_gb()
+        if cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
+            lag = int(metrics["staleness/max"])
+            for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
+                if key in metrics:
+                    metrics[f"{key}/staleness_{lag}"] = metrics[key]
         return metrics
 
     def _check_weight_sync(self, metrics: dict[str, float], *, after_push: bool) -> None:
@@ -447,47 +428,19 @@ class Trainer:
             when = "right after the first weight push" if after_push else "before training (step 0)"
             raise WeightSyncError(
                 f"mismatch/kl={value:.4g} {when} exceeds rollout.weight_sync_kl_threshold={threshold}: the rollout "
-                f"engine's weights differ from the learner's (engine={self.engine.name}). The weight push is not "
+                f"engine's weights differ from the learner's (engine={self.rollouts.engine_name}). The weight push is not "
                 "reaching the engine, or the two load different models/dtypes."
             )
 
     # -- eval ----------------------------------------------------------------------------------
 
+    def _eval_due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
+
     def evaluate(self) -> dict[str, float]:
-        """pass@1 (and pass@k with rollout.eval_group_size = k > 1) on the held-out split; never masked."""
-        if self.eval_prompts is None:
-            return {}
-        k = self.cfg.rollout.eval_group_size
-        mine = list(range(self.rank, len(self.eval_prompts), self.world))
-        # correct samples, samples, prompts with any correct, tool calls
-        sums = torch.zeros(4, device=self.device)
-        if mine:
-            episodes = self.producer.episodes(
-                self.eval_prompts, mine, k, self.producer.sampling(eval=True),
-                sampling_seed(self.cfg.trainer.seed, self.step, self.rank, salt=1),
-            )  # fmt: skip
-            rb = episodes.rollout
-            texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
-            answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
-            correct = torch.tensor(
-                self.scorer.score(texts, list(rb.response_texts), answers, only=["math"]).per_fn["math"],
-                device=self.device,
-            )
-            correct = torch.where(episodes.failed.to(self.device), 0.0, correct)  # a failed episode scores 0
-            per_prompt = correct.reshape(len(mine), k)
-            sums = torch.stack(
-                [
-                    correct.sum(),
-                    torch.tensor(float(correct.numel()), device=self.device),
-                    (per_prompt > 0).any(-1).float().sum(),
-                    episodes.stats["tool_calls"].sum().to(self.device),
-                ]
-            )
-        sums = self._sum(sums).tolist()
-        out = {"eval/pass@1": sums[0] / max(sums[1], 1), "eval/tool_calls": sums[3] / max(sums[1], 1)}
-        if k > 1:
-            out[f"eval/pass@{k}"] = sums[2] / max(sums[1] / k, 1)
-        return out
+        """pass@1 (and pass@k) of the current weights on the held-out split (rlkit/rollout/local.py)."""
+        return self.rollouts.evaluate(self.step)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -514,11 +467,12 @@ class Trainer:
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
         self.learner.save_checkpoint(tmp)
+        rollout_state = self.rollouts.checkpoint(tmp)  # the data position (async: and the pending batches)
         if self.is_main:
             self.tokenizer.save_pretrained(tmp / "model")
             state = {
                 "step": self.step,
-                "data_position": self.order.position,
+                **rollout_state,
                 "wandb_id": self.wandb_id,
                 "world_size": self.world,
             }
@@ -540,15 +494,11 @@ class Trainer:
             shutil.rmtree(path, ignore_errors=True)
 
     def _load_checkpoint(self, path: Path) -> None:
-        from rlkit.weights import push_weights
-
         state = json.loads((path / TRAINER_STATE).read_text())
         self.learner.load_checkpoint(path)
         self.step = state["step"]
-        self.order.position = state["data_position"]
+        self.rollouts.load_checkpoint(path, state)
         self.wandb_id = state.get("wandb_id")
-        # The engine was built from the initial weights: give it the checkpoint's.
-        push_weights(self.learner, self.engine)
         if self.is_main:
             print(f"Resumed from {path} at step {self.step}", flush=True)
 
@@ -579,22 +529,24 @@ class Trainer:
         first_step = self.step
         checkpoint_timing = {}
         try:
-            if t.eval_at_start and self.step == 0 and self.eval_prompts is not None:
+            baseline = t.eval_at_start and self.step == 0
+            # The engine gets the learner's weights (a resumed run's; async: the workers start).
+            self.rollouts.start(self.learner, self.step, evaluate=baseline)
+            if baseline:
                 timers = Timers()
                 with timers("eval"):
                     baseline = self.evaluate()
                 baseline.update(timers.seconds)
-                if self.logger is not None:
+                if self.logger is not None and "eval/pass@1" in baseline:
                     self.logger.log(baseline, step=0)
             while self.step < t.steps:
                 metrics = self.train_step()
-                if self.step == first_step:
+                # A stale batch (async) was generated by older weights: its mismatch is policy change.
+                if metrics["staleness/max"] == 0 and self.step in (first_step, first_step + 1):
                     self._check_weight_sync(metrics, after_push=self.step > 0)
-                elif self.step == first_step + 1:
-                    self._check_weight_sync(metrics, after_push=True)
                 self.step += 1
                 timers = Timers()
-                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
+                if self._eval_due(self.step):
                     with timers("eval"):
                         metrics.update(self.evaluate())
                 stop = self._should_stop()
@@ -641,9 +593,7 @@ class Trainer:
             log.info("curves: %s", out)
 
     def close(self) -> None:
-        self.scorer.close()
-        with contextlib.suppress(Exception):
-            self.engine.close()
+        self.rollouts.close()
         if self.logger is not None:
             self.logger.close()
             self.logger = None

@@ -382,3 +382,52 @@ class Producer:
         out = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(out, x)
         return torch.cat(out).cpu()
+
+
+def merge_scored(parts: list[ScoredBatch]) -> ScoredBatch:
+    """One ScoredBatch of several producers' shares (in rank order: the global prompt order).
+
+    Counters add up; `stats` (global already) and `policy_version` come from the first share.
+    """
+    first = parts[0]
+    rb = concat_rollouts([p.rollout for p in parts])  # sums gen_tokens / gen_seconds
+    return dataclasses.replace(
+        first,
+        rollout=rb,
+        rewards=torch.cat([p.rewards for p in parts]),
+        per_fn={k: torch.cat([p.per_fn[k] for p in parts]) for k in first.per_fn},
+        errors=sum(p.errors for p in parts),
+        timeouts=sum(p.timeouts for p in parts),
+        env_stats={k: torch.cat([p.env_stats[k] for p in parts]) for k in first.env_stats},
+        env_errors=sum(p.env_errors for p in parts),
+        env_timeouts=sum(p.env_timeouts for p in parts),
+    )
+
+
+def split_scored(sb: ScoredBatch, n: int) -> list[ScoredBatch]:
+    """`n` equal shares of whole groups, in order (share r for training rank r).
+
+    The counters and throughput stay with share 0, so summing them over ranks counts each once.
+    """
+    G = sb.rollout.group_size
+    groups = sb.rollout.num_samples // G
+    if groups % n:
+        raise ValueError(f"{groups} groups do not split evenly over {n} ranks")
+    per = groups // n
+    out = []
+    for r in range(n):
+        rows = slice(r * per * G, (r + 1) * per * G)
+        rb = take_groups(sb.rollout, list(range(r * per, (r + 1) * per)))
+        if r == 0:
+            rb.stats.update(sb.rollout.stats)
+        out.append(
+            dataclasses.replace(
+                sb,
+                rollout=rb,
+                rewards=sb.rewards[rows],
+                per_fn={k: v[rows] for k, v in sb.per_fn.items()},
+                env_stats={k: v[rows] for k, v in sb.env_stats.items()},
+                **({} if r == 0 else dict(errors=0, timeouts=0, env_errors=0, env_timeouts=0)),
+            )
+        )
+    return out

@@ -193,6 +193,7 @@ BAD = [
     ("trainer.device", "tpu", ["trainer.device='tpu' is not one of ['auto', 'cpu', 'cuda']"]),
     ("trainer.device", "cuda", ["trainer.device='cuda' but no CUDA device is visible"]),
     ("trainer.progress_bar", "maybe", ["trainer.progress_bar", "maybe"]),
+    ("trainer.mode", "overlap", ["trainer.mode='overlap' is not one of ['sync', 'async']"]),
     (
         "logger.backend",
         "tensorboard",
@@ -212,6 +213,14 @@ BAD = [
     ("algo.mini_batches", 3, ["algo.mini_batches=3 must divide the per-rank batch 16"]),
     ("reward.overlong_buffer", 33, ["reward.overlong_buffer=33 must be <= rollout.max_new_tokens=32"]),
     ("rollout.group_size", 1, ["algo.norm_by_std=true needs rollout.group_size >= 2"]),
+    (
+        "trainer.rollout_gpus",
+        3,
+        [
+            "trainer.train_batch_size=16 must be divisible by rollout.group_size x trainer.rollout_gpus = 4 x 3"
+        ],
+        {"trainer": {"mode": "async"}},
+    ),
 ]
 # One value outside each numeric key's range (int keys get ints), chosen from the range by hand.
 OUT_OF_RANGE = {
@@ -232,6 +241,7 @@ OUT_OF_RANGE = {
     "trainer.num_processes": 0, "trainer.collective_timeout_s": 0.0, "trainer.logprob_chunk_tokens": -1,
     "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
+    "trainer.max_staleness": -1, "trainer.rollout_gpus": 0,
 }  # fmt: skip
 
 
@@ -249,6 +259,8 @@ def _with(base: dict, key: str, value, extra: dict | None = None) -> dict:
     cfg = copy.deepcopy(base)
     if extra and "algo" in extra:  # the ppo group: GAE with a critic
         cfg["algo"].update(adv_estimator="gae", value_model=True, kl_in_reward=False)
+    if extra and "trainer" in extra:
+        cfg["trainer"].update(extra["trainer"])
     *parents, leaf = key.split(".")
     node = cfg
     for p in parents:

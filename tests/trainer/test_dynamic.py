@@ -73,7 +73,7 @@ def test_refill_fills_the_batch_with_informative_groups_or_trains_on_what_there_
     )
     trainer = Trainer(cfg)
     try:
-        answers = list(trainer.train_prompts.answers)
+        answers = list(trainer.rollouts.train_prompts.answers)
         batches, kept_frac, position = _expected_refill(answers, cfg.trainer.seed, 2, 2, max_batches)
         with caplog.at_level(logging.WARNING):
             (m,) = trainer.train()
@@ -136,13 +136,13 @@ def test_overlong_filter_and_penalty(tiny, tmp_path):
         return real_update(batch)
 
     trainer.learner.update = spy
-    real_produce = trainer.producer.produce
+    real_produce = trainer.rollouts.producer.produce
 
     def spy_produce(step, timers):
         seen["scored"] = real_produce(step, timers)
         return seen["scored"]
 
-    trainer.producer.produce = spy_produce
+    trainer.rollouts.producer.produce = spy_produce
     try:
         (m,) = trainer.train()
     finally:

@@ -364,8 +364,8 @@ def test_eval_is_never_masked_whatever_its_group_size(tiny, tmp_path, k):
     )
     trainer = Trainer(cfg)
     try:
-        answers = [extract_gsm8k_answer(a) for a in trainer.eval_prompts.answers]
-        real_generate = trainer.producer.generate
+        answers = [extract_gsm8k_answer(a) for a in trainer.rollouts.eval_prompts.answers]
+        real_generate = trainer.rollouts.producer.generate
 
         def chosen(prompts, n, sampling, seed, **kw):
             rb = real_generate(prompts, n, sampling, seed, **kw)
@@ -377,7 +377,7 @@ def test_eval_is_never_masked_whatever_its_group_size(tiny, tmp_path, k):
             ]
             return dataclasses.replace(rb, response_texts=tuple(texts))
 
-        trainer.producer.generate = chosen
+        trainer.rollouts.producer.generate = chosen
         result = trainer.evaluate()
     finally:
         trainer.close()

@@ -112,7 +112,7 @@ def test_training_routes_rewards_by_a_dataset_column(tiny, tmp_path):
     )
     trainer = Trainer(cfg)
     try:
-        sources = [r["data_source"] for r in trainer.train_prompts.rows]
+        sources = [r["data_source"] for r in trainer.rollouts.train_prompts.rows]
         drawn = PromptOrder(len(sources), seed=cfg.trainer.seed).next(2)
         (m,) = trainer.train()
     finally:

@@ -1,0 +1,141 @@
+"""The rollout half of training in this process: prompts, engine, rewards, producer and eval.
+
+`trainer.mode=sync` uses one `LocalRollouts` per training rank (the engine colocated with the learner);
+`trainer.mode=async` runs one inside each rollout worker process (rlkit/rollout/remote.py). Both
+trainers talk to it through the same four calls:
+
+    start(learner, step, evaluate)   the run begins (or resumes) at `step`
+    produce(step, timers)            -> ScoredBatch (rlkit/rollout/producer.py)
+    push(learner, version, evaluate) the learner's new weights reach the engine
+    evaluate(version)                -> {"eval/pass@1": ...} of the engine's weights `version`
+    checkpoint(directory) / load_checkpoint(directory, state)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkit.rollout.producer import Producer, ScoredBatch, sampling_seed
+
+
+class LocalRollouts:
+    """Engine, prompts, reward scorer and producer of one rank (`rank` of `world` ranks that produce)."""
+
+    mode = "sync"
+
+    def __init__(self, cfg, *, rank: int, world: int, device, tokenizer, reward_dtype=torch.float32):
+        from rlkit.data import PromptOrder, build_prompts, load_splits
+        from rlkit.rewards import RewardScorer
+        from rlkit.rollout import make_engine
+
+        t, r = cfg.trainer, cfg.rollout
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        train_ds, eval_ds = load_splits(cfg.data, seed=t.seed)
+        self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train")
+        self.eval_prompts = build_prompts(eval_ds, tokenizer, cfg.data, name="eval") if len(eval_ds) else None
+        self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
+        self.scorer = RewardScorer(
+            cfg.reward.fn,
+            cfg.reward.extra,
+            timeout_s=cfg.reward.timeout_s,
+            num_workers=cfg.reward.num_workers,
+            also=["math"],
+            route_by=cfg.reward.route_by,
+            routes=cfg.reward.routes,
+            batch_timeout_s=cfg.reward.batch_timeout_s,
+        )
+        # None: the engine takes this rank's GPU (set by the accelerator) or the CPU.
+        self.engine = make_engine(
+            r.engine,
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            device="cpu" if t.device == "cpu" else None,
+            seed=t.seed,
+            **r.engine_kwargs,
+        )
+        reward_model = None
+        if cfg.reward.model is not None:
+            from rlkit.reward_model import RewardModel
+
+            reward_model = RewardModel(
+                cfg.reward.model, device=device, batch_size=cfg.reward.model_batch_size, dtype=reward_dtype
+            )
+        self.producer = Producer(
+            cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=rank, world=world,
+            device=device, reward_model=reward_model, tokenizer=tokenizer,
+        )  # fmt: skip
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    def start(self, learner, step: int, *, evaluate: bool = False) -> None:
+        """A resumed run's engine was built from the initial weights: give it the checkpoint's."""
+        if step > 0:
+            self.push(learner, step)
+
+    def produce(self, step: int, timers) -> ScoredBatch:
+        return self.producer.produce(step, timers)
+
+    def push(self, learner, version: int, *, evaluate: bool = False) -> dict[str, float]:
+        from rlkit.weights import push_weights
+
+        return push_weights(learner, self.engine)
+
+    def evaluate(self, version: int) -> dict[str, float]:
+        """pass@1 (and pass@k with rollout.eval_group_size = k > 1) on the held-out split; never masked.
+
+        Every producing rank takes every `world`-th problem; the sums are reduced over those ranks.
+        """
+        if self.eval_prompts is None:
+            return {}
+        k = self.cfg.rollout.eval_group_size
+        mine = list(range(self.rank, len(self.eval_prompts), self.world))
+        # correct samples, samples, prompts with any correct, tool calls
+        sums = torch.zeros(4, device=self.device)
+        if mine:
+            episodes = self.producer.episodes(
+                self.eval_prompts, mine, k, self.producer.sampling(eval=True),
+                sampling_seed(self.cfg.trainer.seed, version, self.rank, salt=1),
+            )  # fmt: skip
+            rb = episodes.rollout
+            texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
+            answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
+            correct = torch.tensor(
+                self.scorer.score(texts, list(rb.response_texts), answers, only=["math"]).per_fn["math"],
+                device=self.device,
+            )
+            correct = torch.where(episodes.failed.to(self.device), 0.0, correct)  # a failed episode scores 0
+            per_prompt = correct.reshape(len(mine), k)
+            sums = torch.stack(
+                [
+                    correct.sum(),
+                    torch.tensor(float(correct.numel()), device=self.device),
+                    (per_prompt > 0).any(-1).float().sum(),
+                    episodes.stats["tool_calls"].sum().to(self.device),
+                ]
+            )
+        if self.world > 1:
+            import torch.distributed as dist
+
+            sums = sums.clone()
+            dist.all_reduce(sums)
+        sums = sums.tolist()
+        out = {"eval/pass@1": sums[0] / max(sums[1], 1), "eval/tool_calls": sums[3] / max(sums[1], 1)}
+        if k > 1:
+            out[f"eval/pass@{k}"] = sums[2] / max(sums[1] / k, 1)
+        return out
+
+    def checkpoint(self, directory) -> dict:
+        """What trainer_state.json records for the rollout side (every prompt consumed so far)."""
+        return {"data_position": self.order.position}
+
+    def load_checkpoint(self, directory, state: dict) -> None:
+        self.order.position = state["data_position"]
+
+    def close(self) -> None:
+        self.scorer.close()
+        try:
+            self.engine.close()
+        except Exception:  # closing is best effort; the process is ending
+            pass
