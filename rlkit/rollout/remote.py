@@ -260,6 +260,7 @@ class AsyncRollouts:
         self.eval_requested: set[int] = set()
         self.ready: set[int] = set()
         self.procs, self.ctrl, self.results, self.pg, self.manifest = [], [], None, None, None
+        self._threads_before = torch.get_num_threads()
         if device.type == "cpu":  # the learner and the workers share the cores
             self.threads = max(1, (os.cpu_count() or 1) // (world + self.R))
             torch.set_num_threads(self.threads)
@@ -309,6 +310,7 @@ class AsyncRollouts:
 
     def close(self) -> None:
         """Stop the workers (after the last checkpoint); kill one that does not exit."""
+        torch.set_num_threads(self._threads_before)
         if not self.is_main:
             return
         for q in self.ctrl:

@@ -199,3 +199,25 @@ def test_a_dead_rollout_worker_is_a_loud_error(tiny, tmp_path, monkeypatch):  # 
     monkeypatch.setattr(Learner, "update", update_then_kill)
     with pytest.raises(RuntimeError, match="rollout worker 0 exited with code -9"):
         train(tiny, tmp_path / "k", "trainer.steps=3", *ASYNC)
+
+
+def test_two_learner_processes_and_two_rollout_workers_equal_one_and_one(tiny, tmp_path):  # noqa: F811
+    """The launcher's 2 gloo learner ranks (batch scattered by rank 0) and 2 rollout workers (their own
+    gloo world, shares merged in rank order) give the metrics of 1 learner + 1 worker."""
+    from test_e2e import _launch
+
+    from rlkit.config import REPO_ROOT
+
+    runs = {}
+    for name, extra in {"one": [], "two": ["trainer.num_processes=2", "trainer.rollout_gpus=2"]}.items():
+        run_dir = tmp_path / name
+        common = overrides(tiny, run_dir, "rollout.seed_per_prompt=true", "trainer.max_staleness=1", *ASYNC)
+        _launch(REPO_ROOT, *common, *extra)
+        runs[name] = read_jsonl(run_dir / "metrics.jsonl")
+    one, two = runs["one"], runs["two"]
+    assert len(one) == len(two) == 3  # the baseline eval, then 2 steps
+    assert two[0]["eval/pass@1"] == pytest.approx(one[0]["eval/pass@1"])
+    for a, b in zip(one[1:], two[1:]):
+        _close(a, b, COMPARED + ["accuracy", "reward/std", "staleness/max", "rollout_is/mean"])
+    assert [m["staleness/max"] for m in two[1:]] == [0, 1]
+    assert latest_checkpoint(tmp_path / "two").name == "step_2"
