@@ -102,3 +102,26 @@ def test_lora_training_with_vllm_passes_the_weight_sync_check(tiny, tmp_path):
     steps = _steps(run_dir)
     assert len(steps) == 3 and all(abs(m["mismatch/kl"]) < 1e-3 for m in steps)
     assert all(m["grad_norm"] > 0 for m in steps)
+
+
+def test_async_training_with_vllm_in_a_rollout_worker_equals_sync(tiny, tmp_path):
+    """trainer.mode=async: the vLLM engine lives in a rollout worker process and receives every push by
+    gloo broadcast. With max_staleness=0 the run equals the sync run step for step (the weight-sync
+    check at the tight threshold runs at steps 0 and 1); with max_staleness=1 every later batch is one
+    version old and its drift is the policy's own change."""
+    runs = {
+        "sync": ["algo.rollout_is.enabled=true"],
+        "async0": ["trainer.mode=async", "trainer.max_staleness=0"],
+        "async1": ["trainer.mode=async", "trainer.max_staleness=1", "trainer.lr=0.02"],
+    }
+    procs = [_start(*_args(tiny, tmp_path / name, "trainer.steps=3", *extra)) for name, extra in runs.items()]
+    for p in procs:
+        _wait(p)
+    sync, async0, async1 = (_steps(tmp_path / name) for name in runs)
+    assert len(sync) == len(async0) == len(async1) == 3
+    for want, got in zip(sync, async0):
+        assert abs(got["mismatch/kl"]) < 1e-4 and got["staleness/max"] == 0
+        for k in KEYS + ["rollout_is/mean"]:
+            assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
+    assert [m["staleness/max"] for m in async1] == [0, 1, 1]
+    assert abs(async1[0]["mismatch/kl"]) < 1e-4 and all(abs(m["mismatch/kl"]) > 1e-4 for m in async1[1:])
