@@ -2,7 +2,7 @@
 
 `trainer.mode=sync` uses one `LocalRollouts` per training rank (the engine colocated with the learner);
 `trainer.mode=async` runs one inside each rollout worker process (rlkit/rollout/remote.py). Both
-trainers talk to it through the same four calls:
+trainers talk to it through the same calls:
 
     start(learner, step, evaluate)   the run begins (or resumes) at `step`
     produce(step, timers)            -> ScoredBatch (rlkit/rollout/producer.py)

@@ -180,7 +180,8 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
         from rlkit.rollout.local import LocalRollouts
         from rlkit.trainer import Timers
 
-        cfg = load_config(cfg_dict, world_size=R)
+        # The learner validated the config for its ranks (and the batch split over R workers).
+        cfg = load_config(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
         if R > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=r, world_size=R)
