@@ -77,7 +77,7 @@ def test_refill_fills_the_batch_with_informative_groups_or_trains_on_what_there_
         batches, kept_frac, position = _expected_refill(answers, cfg.trainer.seed, 2, 2, max_batches)
         with caplog.at_level(logging.WARNING):
             (m,) = trainer.train()
-        assert trainer.order.position == position  # every drawn prompt is consumed
+        assert trainer.rollouts.order.position == position  # every drawn prompt is consumed
     finally:
         trainer.close()
     assert m["dynamic/gen_batches"] == batches
