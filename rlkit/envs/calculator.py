@@ -107,6 +107,10 @@ def format_number(v: Fraction) -> str:
     return f"{float(v):.6f}".rstrip("0").rstrip(".")
 
 
+# Worked exchanges for `Calculator(examples=k)`: (question, the call that answers it).
+EXAMPLES = (("What is 12 * 34?", "12 * 34"), ("What is 250 * 19?", "250 * 19"))
+
+
 class Calculator(Environment):
     """A calculator tool: each model turn ending in `<calc>EXPR</calc>` gets `<result>VALUE</result>`
     back (an error message for a bad expression, as text the model can read); a turn without a call
@@ -114,10 +118,26 @@ class Calculator(Environment):
 
     stop = ("</calc>",)
 
-    def __init__(self, role: str = "user"):
-        """`role`: the chat role of the result message (the template must know it)."""
+    def __init__(self, role: str = "user", examples: int = 0):
+        """`role`: the chat role of the result message (the template must know it). `examples`: worked
+        exchanges (question, call, result, answer) shown as earlier chat turns before the question, 0 to
+        len(EXAMPLES): a small model that never calls the tool from an instruction alone copies them."""
+        if not 0 <= examples <= len(EXAMPLES):
+            raise ValueError(f"examples={examples!r} must be between 0 and {len(EXAMPLES)}")
         self.role = role
+        self.examples = examples
         self.tool_calls = 0
+
+    def reset(self, row: dict, messages: list[dict]) -> list[dict]:
+        shown = []
+        for question, expr in EXAMPLES[: self.examples]:
+            shown += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": f"<calc>{expr}</calc>"},
+                {"role": self.role, "content": f"<result>{format_number(evaluate(expr))}</result>"},
+                {"role": "assistant", "content": f"#### {format_number(evaluate(expr))}"},
+            ]
+        return messages[:-1] + shown + messages[-1:]  # before the dataset's question
 
     def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
         calls = _CALL.findall(text)

@@ -65,6 +65,27 @@ def test_calculator_env_answers_a_call_and_ends_without_one():
         resolve_env("nope")
 
 
+def test_calculator_examples_are_worked_turns_before_the_question():
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 3 * 5?"}]
+    assert make_env("calculator").reset({}, prompt) == prompt
+    shown = make_env("calculator", {"examples": 2}).reset({}, prompt)
+    assert shown == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": "<calc>12 * 34</calc>"},
+        {"role": "user", "content": "<result>408</result>"},
+        {"role": "assistant", "content": "#### 408"},
+        {"role": "user", "content": "What is 250 * 19?"},
+        {"role": "assistant", "content": "<calc>250 * 19</calc>"},
+        {"role": "user", "content": "<result>4750</result>"},
+        {"role": "assistant", "content": "#### 4750"},
+        {"role": "user", "content": "What is 3 * 5?"},
+    ]
+    assert make_env("calculator", {"examples": 1}).reset({}, prompt)[1:5] == shown[1:5]
+    with pytest.raises(ValueError, match="examples=3 must be between 0 and 2"):
+        make_env("calculator", {"examples": 3})
+
+
 # -- token exactness with scripted turns ------------------------------------------------------------
 
 
