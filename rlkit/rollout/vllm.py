@@ -243,6 +243,7 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         sleep_level: int = 1,
         max_num_batched_tokens: int = 4096,
+        enable_prefix_caching: bool = True,
         **llm_kwargs,
     ):
         from transformers import AutoModelForCausalLM
@@ -313,7 +314,8 @@ class VLLMEngine:
                 max_model_len=max_model_len,
                 enable_sleep_mode=enable_sleep_mode,
                 enforce_eager=enforce_eager,
-                enable_prefix_caching=True,
+                # Later turns of an episode and the G samples of a prompt reuse their prompt's KV blocks.
+                enable_prefix_caching=enable_prefix_caching,
                 logprobs_mode="processed_logprobs",
                 max_num_batched_tokens=max_num_batched_tokens,
                 **llm_kwargs,
