@@ -17,8 +17,13 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("response length (tokens)", ("response_length/mean", "response_length/max")),
     ("KL to reference", ("rollout/kl", "kl_ref")),
     ("train / rollout mismatch", ("mismatch/kl", "mismatch/k3_kl", "rollout_kl")),
+    ("tool calls per episode", ("env/tool_calls", "eval/tool_calls")),
     ("seconds per step", ("timing/step_s",)),
 )
+
+
+# Panels drawn only when some value is non-zero (every run logs tool calls, 0 without a tool).
+ZERO_MEANS_ABSENT = {"tool calls per episode"}
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -64,6 +69,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
             keys = keys + tuple(pass_at)
         lines = [(k, *series(rows, k)) for k in keys]
         lines = [(k, x, y) for k, x, y in lines if x]
+        if title in ZERO_MEANS_ABSENT and not any(v for _, _, y in lines for v in y):
+            continue
         if lines:
             panels.append((title, lines))
     if not panels:
