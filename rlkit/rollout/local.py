@@ -131,7 +131,18 @@ class LocalRollouts:
         return {"data_position": self.order.position}
 
     def load_checkpoint(self, directory, state: dict) -> None:
+        from pathlib import Path
+
+        from rlkit.rollout.remote import PENDING_FILE
+
         self.order.position = state["data_position"]
+        if self.rank == 0 and (Path(directory) / PENDING_FILE).exists():
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s holds batches generated in trainer.mode=async and not trained yet; resumed with "
+                "trainer.mode=sync they are skipped (their prompts count as consumed)", directory,
+            )  # fmt: skip
 
     def close(self) -> None:
         self.scorer.close()
