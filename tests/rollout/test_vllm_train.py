@@ -125,3 +125,23 @@ def test_async_training_with_vllm_in_a_rollout_worker_equals_sync(tiny, tmp_path
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
     assert [m["staleness/max"] for m in async1] == [0, 1, 1]
     assert abs(async1[0]["mismatch/kl"]) < 1e-4 and all(abs(m["mismatch/kl"]) > 1e-4 for m in async1[1:])
+
+
+def test_multi_turn_episodes_on_vllm_keep_the_sampled_tokens_and_log_probs(tiny, tmp_path):
+    """Multi-turn episodes on the vLLM engine (turns of all live episodes batched into one engine call,
+    prefix caching on): the learner's fp32 log-probs of the model's own tokens equal the engine's (the
+    weight-sync check at the tight threshold at steps 0 and 1, and mismatch ~0 at every step), with more
+    than one model turn per episode."""
+    run_dir = tmp_path / "mt"
+    _wait(
+        _start(
+            *_args(
+                tiny, run_dir, "trainer.steps=2", "env.name=rlkit_test_envs:Chatty", "env.max_turns=3",
+                "env.max_total_tokens=64",
+            )
+        )
+    )  # fmt: skip
+    steps = _steps(run_dir)
+    assert len(steps) == 2
+    for m in steps:
+        assert m["env/turns"] > 1 and abs(m["mismatch/kl"]) < 1e-4 and m["mismatch/logprob_abs_diff"] < 1e-4
