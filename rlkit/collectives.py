@@ -24,6 +24,15 @@ class CollectiveTimeout(RuntimeError):
     """A collective waited longer than trainer.collective_timeout_s: a rank stopped, hung or died."""
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous started right after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def is_timeout(error: BaseException) -> bool:
     text = str(error).lower()
     return "timed out" in text or "timeout" in text

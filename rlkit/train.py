@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 
 import hydra
@@ -67,15 +66,11 @@ def _worker(config: dict) -> None:
     run(load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: RLConfig, num_processes: int) -> None:
     """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from rlkit.collectives import free_port
 
     config = LaunchConfig(
         min_nodes=1,
@@ -83,7 +78,7 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
         nproc_per_node=num_processes,
         run_id=f"rlkit-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=1,
         # When a rank fails, the others get SIGTERM and this long to exit before SIGKILL (a stopped rank

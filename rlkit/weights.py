@@ -10,6 +10,9 @@ the names and shapes it computes with; a mismatch raises and leaves the engine u
 tensors stream, each one is checked against the manifest again. A push that fails after it started
 copying leaves the engine refusing to generate (`PushGuard.check`) until a complete push succeeds:
 a half-updated model is neither the old policy nor the new one.
+
+Across processes (trainer.mode=async), `send_weights` broadcasts the same stream from learner rank 0 and
+`receive_weights` hands it, tensor by tensor, to the worker engine's same checked `load_weights`.
 """
 
 from __future__ import annotations
@@ -189,7 +192,59 @@ def push_weights(learner, engine, *, dtype: torch.dtype | None = None) -> dict[s
     engine.load_weights(_counted(learner.named_weights(), stats, dtype), manifest=manifest)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
     if stats["num_tensors"] == 0:
         raise RuntimeError("push_weights: the learner exported no tensors")
+    return _finished(stats, start)
+
+
+def _finished(stats: dict, start: float) -> dict[str, float]:
+    seconds = time.perf_counter() - start
     return {**stats, "seconds": seconds, "gb_per_s": stats["bytes"] / 1e9 / max(seconds, 1e-9)}
+
+
+# -- across processes (trainer.mode=async: rlkit/rollout/remote.py) ------------------------------------
+
+
+def send_weights(
+    pg, learner, manifest: Manifest, dtype: torch.dtype, *, is_main: bool, device
+) -> dict[str, float]:
+    """Broadcast `learner.named_weights()` from learner rank 0 (root of `pg`), cast to `dtype`, in the order
+    of `manifest`; every learner rank must call it (FSDP2 gathers each parameter on all ranks)."""
+    names = list(manifest)
+    stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
+    start = time.perf_counter()
+    named = learner.named_weights()
+    if not is_main:
+        for _ in named:  # take part in the gathers
+            pass
+        return _finished(stats, start)
+    for i, (name, tensor) in enumerate(_counted(named, stats, dtype)):
+        if i >= len(names) or name != names[i]:
+            raise RuntimeError(
+                f"weight push: the learner yielded {name!r} where the manifest has "
+                f"{names[i] if i < len(names) else 'nothing more'!r}; the workers receive in manifest order"
+            )
+        pg.broadcast(tensor.detach().to(device).contiguous(), 0).wait()
+    return _finished(stats, start)
+
+
+def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) -> None:
+    """Receive one `send_weights` (every tensor of `manifest`, in order) into `engine.load_weights`.
+
+    If the engine refuses midway, the rest is still received (the sender would otherwise wait on the
+    broadcast until its timeout) and the engine's error is raised after.
+    """
+
+    def stream():
+        for name, shape in manifest.items():
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            pg.broadcast(buf, 0).wait()
+            yield name, buf
+
+    tensors = stream()
+    try:
+        engine.load_weights(tensors, manifest=manifest)
+    except BaseException:
+        for _ in tensors:  # drain
+            pass
+        raise

@@ -36,7 +36,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import traceback
 from collections import deque
 from pathlib import Path
@@ -44,7 +43,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlkit.collectives import free_port
+from rlkit.rollout import _torch_dtype
 from rlkit.rollout.producer import ScoredBatch, merge_scored, split_scored
+from rlkit.weights import receive_weights, send_weights
 
 log = logging.getLogger(__name__)
 
@@ -83,62 +85,6 @@ def _bridge(store, rank: int, size: int, backend: str, timeout_s: float):
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, size)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-def _weight_dtype(cfg) -> torch.dtype:
-    """What travels: the engine's dtype (the engine would cast to it anyway)."""
-    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-
-
-def receive_weights(pg, engine, manifest: dict, dtype: torch.dtype, device) -> int:
-    """Receive one push (every tensor of `manifest`, in order) into `engine.load_weights`.
-
-    If the engine refuses midway, the rest is still received (the sender would otherwise wait on the
-    broadcast until its timeout) and the engine's error is raised after.
-    """
-    received = 0
-
-    def stream():
-        nonlocal received
-        for name, shape in manifest.items():
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            pg.broadcast(buf, 0).wait()
-            received += 1
-            yield name, buf
-
-    tensors = stream()
-    try:
-        engine.load_weights(tensors, manifest=manifest)
-    except BaseException:
-        for _ in tensors:  # drain
-            pass
-        raise
-    return received
-
-
-def send_weights(
-    pg, learner, manifest: dict, dtype: torch.dtype, *, is_main: bool, device
-) -> dict[str, float]:
-    """Broadcast `learner.named_weights()` from learner rank 0; every learner rank iterates (FSDP2 gathers)."""
-    import time
-
-    names = list(manifest)
-    stats = {"num_tensors": 0, "bytes": 0}
-    start = time.perf_counter()
-    for i, (name, tensor) in enumerate(learner.named_weights()):
-        if not is_main:
-            continue
-        if i >= len(names) or name != names[i]:
-            raise RuntimeError(
-                f"weight push: the learner yielded {name!r} where the manifest has "
-                f"{names[i] if i < len(names) else 'nothing more'!r}; the workers receive in manifest order"
-            )
-        t = tensor.detach().to(device=device, dtype=dtype).contiguous()
-        pg.broadcast(t, 0).wait()
-        stats["num_tensors"] += 1
-        stats["bytes"] += t.numel() * t.element_size()
-    seconds = time.perf_counter() - start
-    return {**stats, "seconds": seconds, "gb_per_s": stats["bytes"] / 1e9 / max(seconds, 1e-9)}
 
 
 # -- the worker process ---------------------------------------------------------------------------------
@@ -183,11 +129,12 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
         # The learner validated the config for its ranks (and the batch split over R workers).
         cfg = load_config(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
+        dtype = _torch_dtype(cfg.model.dtype)  # the engine's; pushes arrive in it
         if R > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=r, world_size=R)
         rollouts = LocalRollouts(
             cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
-            reward_dtype=_weight_dtype(cfg),
+            reward_dtype=dtype,
         )  # fmt: skip
         rollouts.order.position = start["position"]
         results.put(_dumps(("ready", r)))
@@ -210,7 +157,7 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
             msg = _control(ctrl, parent)
             if msg[0] == "push":
                 _, version, evaluate, grant, manifest = msg
-                receive_weights(pg, rollouts.engine, manifest, _weight_dtype(cfg), device)
+                receive_weights(pg, rollouts.engine, manifest, dtype, device)
                 if evaluate:
                     metrics = rollouts.evaluate(version)
                     if r == 0:
@@ -233,12 +180,6 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
 # -- the learner side -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class AsyncRollouts:
     """The learner's side of async mode; the trainer calls it as it calls `LocalRollouts`."""
 
@@ -250,7 +191,7 @@ class AsyncRollouts:
         self.is_main = rank == 0
         self.S, self.R = t.max_staleness, t.rollout_gpus
         self.engine_name = f"{cfg.rollout.engine}, in {self.R} rollout worker process(es)"
-        self.dtype = _weight_dtype(cfg)
+        self.dtype = _torch_dtype(cfg.model.dtype)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.pending: deque[Pending] = deque()  # received, not trained
         self.shares: dict[int, dict[int, tuple]] = {}  # batch index -> worker -> its share
@@ -286,7 +227,7 @@ class AsyncRollouts:
         self.results = ctx.Queue()
         store = dist.TCPStore("127.0.0.1", 0, self.R + 1, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=t.collective_timeout_s))  # fmt: skip
-        ports = {"bridge": store.port, "world": _free_port()}
+        ports = {"bridge": store.port, "world": free_port()}
         gpus = [None] * self.R
         if self.device.type == "cuda":  # the last R visible GPUs; the learner ranks hold the first ones
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")

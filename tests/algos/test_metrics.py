@@ -1,4 +1,3 @@
-import socket
 import traceback
 from datetime import timedelta
 
@@ -9,6 +8,7 @@ import torch.multiprocessing as mp
 from algos_helpers import ragged_mask
 
 from rlkit.algos import losses
+from rlkit.collectives import free_port
 from rlkit.metrics import MetricMerger, reduction
 
 
@@ -68,12 +68,6 @@ def test_all_zero_weight_gives_zero_and_bad_shapes_raise():
         merger.add({"a": torch.ones(2)}, 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, chunks, result_queue):
     try:
         dist.init_process_group(
@@ -103,7 +97,7 @@ def _worker(rank, world, port, chunks, result_queue):
 
 
 def _spawn():
-    port = _free_port()
+    port = free_port()
     # Rank 0 has one real micro-batch and a zero-row one; rank 1 has three (uneven, as in the learner).
     chunks = [[(0, 3), (3, 3)], [(3, 6), (6, 7), (7, 10)]]
     ctx = mp.get_context("spawn")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from rlkit.algos import correction, kl, losses
 from rlkit.batch import TrainBatch
+from rlkit.collectives import free_port  # noqa: F401  (re-exported for the tests)
 
 VOCAB = 128
 
@@ -89,12 +89,6 @@ def make_batch(
         advantages=torch.randn(n, 1, generator=g).expand(n, response_width).clone(),
         **optional,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_worker_env(rank: int, world_size: int, port: int) -> None:

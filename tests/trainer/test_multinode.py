@@ -9,16 +9,9 @@ import pytest
 import torch
 from test_e2e import HERE, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
 
+from rlkit.collectives import free_port
 from rlkit.config import REPO_ROOT
 from rlkit.trainer import latest_checkpoint
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F811
@@ -27,7 +20,7 @@ def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F8
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     args = overrides(tiny, two, "rollout.seed_per_prompt=true", "trainer.strategy=fsdp2")
-    port = _free_port()
+    port = free_port()
     # The README's line (`torchrun` is `python -m torch.distributed.run`); the rendezvous ranks the nodes.
     line = (
         f"--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} -m rlkit.train"
