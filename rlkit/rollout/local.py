@@ -21,8 +21,6 @@ from rlkit.rollout.producer import Producer, ScoredBatch, sampling_seed
 class LocalRollouts:
     """Engine, prompts, reward scorer and producer of one rank (`rank` of `world` ranks that produce)."""
 
-    mode = "sync"
-
     def __init__(self, cfg, *, rank: int, world: int, device, tokenizer, reward_dtype=torch.float32):
         from rlkit.data import PromptOrder, build_prompts, load_splits
         from rlkit.rewards import RewardScorer

@@ -183,8 +183,6 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
 class AsyncRollouts:
     """The learner's side of async mode; the trainer calls it as it calls `LocalRollouts`."""
 
-    mode = "async"
-
     def __init__(self, cfg, *, rank: int, world: int, device):
         t = cfg.trainer
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
