@@ -14,6 +14,7 @@ from pathlib import Path
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/mean", "reward/max")),
     ("accuracy", ("accuracy", "eval/pass@1")),
+    ("dynamic sampling: share of groups kept", ("dynamic/kept_frac",)),
     ("response length (tokens)", ("response_length/mean", "response_length/max")),
     ("KL to reference", ("rollout/kl", "kl_ref")),
     ("train / rollout mismatch", ("mismatch/kl", "mismatch/k3_kl", "rollout_kl")),

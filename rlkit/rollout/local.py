@@ -94,7 +94,9 @@ class LocalRollouts:
         if mine:
             episodes = self.producer.episodes(
                 self.eval_prompts, mine, k, self.producer.sampling(eval=True),
-                sampling_seed(self.cfg.trainer.seed, version, self.rank, salt=1),
+                # The same seed at every evaluation (common random numbers): two evaluations draw the same
+                # random numbers, so their difference measures the policy's change, not sampling noise.
+                sampling_seed(self.cfg.trainer.seed, 0, self.rank, salt=1),
             )  # fmt: skip
             rb = episodes.rollout
             texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]

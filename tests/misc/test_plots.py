@@ -49,19 +49,27 @@ def test_plot_run_writes_a_png_and_the_script_redraws_it(tmp_path):
     assert other.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_tool_call_panel_only_when_a_tool_was_called(tmp_path, monkeypatch):
+def _titles(tmp_path, monkeypatch, row: dict) -> list[str]:
+    """The panel titles plot_run draws for a one-row metrics.jsonl."""
     import matplotlib.axes
 
     titles = []
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
-    row = {"step": 1, "reward/mean": 0.5, "env/tool_calls": 0.0, "eval/tool_calls": 0.0}
-    (tmp_path / "metrics.jsonl").write_text(json.dumps(row))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, **row}))
     plot_run(tmp_path)
+    return titles
+
+
+def test_tool_call_panel_only_when_a_tool_was_called(tmp_path, monkeypatch):
+    titles = _titles(tmp_path, monkeypatch, {"env/tool_calls": 0.0, "eval/tool_calls": 0.0})
     assert "reward" in titles and "tool calls per episode" not in titles  # every run logs 0 without a tool
-    titles.clear()
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({**row, "env/tool_calls": 0.5}))
-    plot_run(tmp_path)
-    assert "tool calls per episode" in titles
+    assert "tool calls per episode" in _titles(tmp_path, monkeypatch, {"env/tool_calls": 0.5})
+
+
+def test_dynamic_sampling_panel_only_in_refill_runs(tmp_path, monkeypatch):
+    panel = "dynamic sampling: share of groups kept"
+    assert panel not in _titles(tmp_path, monkeypatch, {})
+    assert panel in _titles(tmp_path, monkeypatch, {"dynamic/kept_frac": 0.25})
 
 
 def test_plot_run_without_data_returns_none(tmp_path):

@@ -1,4 +1,4 @@
-"""End to end on CPU with a tiny random model sharing SmolLM2's tokenizer: `+recipe=quickstart` for 2 steps,
+"""End to end on CPU with a tiny random model sharing SmolLM2's tokenizer: `+recipe=quickstart_1digit` for 2 steps,
 an offline W&B run read back from its files, an HF checkpoint, exact resume, an interrupted checkpoint,
 failing reward functions, 2 processes == 1 process, and the launch line from two folders."""
 
@@ -38,7 +38,7 @@ def tiny(tmp_path_factory):
 
 def overrides(tiny, run_dir, *extra):
     return [
-        "+recipe=quickstart",
+        "+recipe=quickstart_1digit",
         f"model.path={tiny}",
         f"trainer.run_dir={run_dir}",
         "trainer.steps=2",
@@ -197,7 +197,7 @@ def _launch(cwd, *args, timeout=600):
 
 @pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp"])
 def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, tmp_path, estimator):
-    """`python -m rlkit.train +recipe=quickstart ...` from the repo root (1 process) and from another folder
+    """`python -m rlkit.train +recipe=quickstart_1digit ...` from the repo root (1 process) and from another folder
     (2 gloo processes) give the same metrics on the same global batch; for REINFORCE++ this needs the
     whitening over the global batch, not over each rank's rows."""
     common = [*overrides(tiny, "X", "rollout.seed_per_prompt=true", f"algo.adv_estimator={estimator}")]
@@ -385,6 +385,37 @@ def test_eval_is_never_masked_whatever_its_group_size(tiny, tmp_path, k):
     assert result["eval/pass@1"] == pytest.approx(correct_samples / (4 * k))
     if k > 1:
         assert result[f"eval/pass@{k}"] == pytest.approx(3 / 4)
+
+
+def test_every_evaluation_draws_the_same_random_numbers(tiny, tmp_path):
+    """Common random numbers: evaluations at different steps use one seed, so the same weights give the
+    same samples at step 0 and step 7 (their difference is the policy's, not the sampling's), while the
+    training batches of those steps are sampled with different seeds."""
+    from rlkit.rollout.producer import sampling_seed
+    from rlkit.trainer import Trainer
+
+    cfg = load_config(
+        compose(overrides(tiny, tmp_path / "e", "rollout.eval_temperature=1.0", "data.eval_size=4"))
+    )
+    trainer = Trainer(cfg)
+    try:
+        real_generate = trainer.rollouts.producer.generate
+        calls = []
+
+        def recorded(prompts, n, sampling, seed, **kw):
+            rb = real_generate(prompts, n, sampling, seed, **kw)
+            calls.append((seed, rb.response_texts))
+            return rb
+
+        trainer.rollouts.producer.generate = recorded
+        trainer.rollouts.evaluate(0)
+        trainer.rollouts.evaluate(7)
+    finally:
+        trainer.close()
+    (seed0, texts0), (seed7, texts7) = calls
+    assert seed0 == seed7 and texts0 == texts7
+    assert len(set(texts0)) > 1  # real sampling at temperature 1, not one repeated string
+    assert sampling_seed(cfg.trainer.seed, 0, 0) != sampling_seed(cfg.trainer.seed, 7, 0)
 
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02", "rollout.weight_sync_kl_threshold=1e-3")
