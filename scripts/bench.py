@@ -4,11 +4,11 @@
     python scripts/bench.py ... --compare-trl          # then TRL on the same model, prompts, rewards
     python scripts/bench.py ... --json                 # one JSON object for machines
 
-Both frameworks run the quickstart recipe's task (its data, prompt template, system prompt and the
-exact-answer `math` reward: TRL gets them from rlkit's own composed config), the same model, group
-size, prompts per step, max new tokens, temperature, learning rate (constant), no KL term, token-mean
-loss over the global batch (TRL `loss_type="dapo"`), one optimizer step per batch, fp32 on CPU. The
-defaults are the quickstart recipe's settings. Each runs in its
+Both frameworks run the quickstart_1digit recipe's task (the quickstart until 2026-11-23: its data, prompt
+template, system prompt and the exact-answer `math` reward; TRL gets them from rlkit's own composed config),
+the same model, group size, prompts per step, max new tokens, temperature, learning rate (constant), no KL
+term, token-mean loss over the global batch (TRL `loss_type="dapo"`), one optimizer step per batch, fp32 on
+CPU. The defaults are that recipe's settings. Each runs in its
 own child process, one after the other, so neither inherits the other's threads, caches or memory.
 """
 
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def rlkit_overrides(args) -> list[str]:
-    """Hydra overrides that put the quickstart recipe at the benchmark's settings."""
+    """Hydra overrides that put the quickstart_1digit recipe at the benchmark's settings."""
     return [
-        "+recipe=quickstart",
+        "+recipe=quickstart_1digit",
         f"model.path={args.model}",
         f"model.dtype={args.dtype}",
         f"rollout.engine={args.engine}",

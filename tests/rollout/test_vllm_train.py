@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 
 def _args(tiny, run_dir, *extra):
     return [
-        "+recipe=quickstart", f"model.path={tiny}", f"trainer.run_dir={run_dir}", "trainer.steps=4",
+        "+recipe=quickstart_1digit", f"model.path={tiny}", f"trainer.run_dir={run_dir}", "trainer.steps=4",
         "trainer.train_batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=8",
         "data.eval_size=4", "data.num_train=64", "data.num_eval=8", "trainer.eval_every=0",
         "trainer.save_every=0", "trainer.lr=1e-3", "trainer.progress_bar=false",

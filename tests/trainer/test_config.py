@@ -17,7 +17,7 @@ def _compose(overrides):
 
 
 def test_all_four_recipes_exist():
-    assert {"grpo_gsm8k", "ppo_gsm8k", "dr_grpo_gsm8k", "quickstart"} <= set(RECIPES)
+    assert {"grpo_gsm8k", "ppo_gsm8k", "dr_grpo_gsm8k", "quickstart", "quickstart_1digit"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -34,11 +34,13 @@ def test_recipe_overrides_group_choice():
     assert not dr.algo.norm_by_std and dr.algo.loss_agg_mode == "seq-mean-token-sum-norm"
     quick = load_config(_compose(["+recipe=quickstart"]))
     assert quick.model.path == "smollm2-135m" and quick.data.path == "arithmetic"
-    assert quick.rollout.engine == "hf" and quick.model.dtype == "float32"
+    assert quick.rollout.engine == "auto" and quick.model.dtype == "float32"
+    assert quick.algo.dynamic_sampling == "refill"
+    assert quick.data.arithmetic_kinds == ["plain_add", "plain_add2"]
 
 
 def test_command_line_override_wins_over_recipe():
-    cfg = load_config(_compose(["+recipe=quickstart", "trainer.steps=3", "rollout.group_size=2"]))
+    cfg = load_config(_compose(["+recipe=quickstart_1digit", "trainer.steps=3", "rollout.group_size=2"]))
     assert cfg.trainer.steps == 3 and cfg.rollout.group_size == 2
 
 
@@ -82,12 +84,12 @@ def test_command_line_override_wins_over_recipe():
 )
 def test_validation_errors(overrides, message):
     with pytest.raises(ConfigError) as err:
-        load_config(_compose(["+recipe=quickstart", *overrides]))
+        load_config(_compose(["+recipe=quickstart_1digit", *overrides]))
     assert message in str(err.value)
 
 
 def test_batch_must_split_over_ranks():
-    cfg = _compose(["+recipe=quickstart", "trainer.train_batch_size=12", "rollout.group_size=4"])
+    cfg = _compose(["+recipe=quickstart_1digit", "trainer.train_batch_size=12", "rollout.group_size=4"])
     load_config(cfg, world_size=1)
     with pytest.raises(
         ConfigError,
@@ -103,21 +105,23 @@ def test_missing_model_path_without_recipe():
 
 def test_unknown_key_is_rejected_by_the_schema():
     with pytest.raises(Exception, match="lr_rate"):
-        _compose(["+recipe=quickstart", "trainer.lr_rate=1"])
+        _compose(["+recipe=quickstart_1digit", "trainer.lr_rate=1"])
 
 
 def test_rollout_is_without_logprobs_turns_them_on(caplog):
-    cfg = _compose(["+recipe=quickstart", "rollout.return_logprobs=false", "algo.rollout_is.enabled=true"])
+    cfg = _compose(
+        ["+recipe=quickstart_1digit", "rollout.return_logprobs=false", "algo.rollout_is.enabled=true"]
+    )
     with caplog.at_level(logging.WARNING):
         config = load_config(cfg)
     assert config.rollout.return_logprobs is True
     assert "setting rollout.return_logprobs=true" in caplog.text
-    cfg = _compose(["+recipe=quickstart", "rollout.return_logprobs=false", "algo.rollout_kl_coef=0.1"])
+    cfg = _compose(["+recipe=quickstart_1digit", "rollout.return_logprobs=false", "algo.rollout_kl_coef=0.1"])
     assert load_config(cfg).rollout.return_logprobs is True
 
 
 # ------------------------------------------------------------------------------------ the key sweep
-# Every key of RLConfig with at least one bad value, set on top of the valid quickstart config, and the
+# Every key of RLConfig with at least one bad value, set on top of the valid quickstart_1digit config, and the
 # words its ConfigError must contain (the user's key, and the value / choices / bound where relevant).
 # A value of None means YAML null. Numbers outside their range are checked by `test_every_range`.
 BAD = [
@@ -247,10 +251,10 @@ OUT_OF_RANGE = {
 
 @pytest.fixture(scope="module")
 def quickstart():
-    """The composed quickstart config as a plain dict (what the launcher hands its worker processes)."""
+    """The composed quickstart_1digit config as a plain dict (what the launcher hands its worker processes)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(_compose(["+recipe=quickstart"]), resolve=True)
+    return OmegaConf.to_container(_compose(["+recipe=quickstart_1digit"]), resolve=True)
 
 
 def _with(base: dict, key: str, value, extra: dict | None = None) -> dict:
@@ -316,14 +320,14 @@ def test_ranges_by_hand():
 
 
 def test_hydra_plus_on_an_unknown_key_is_refused_with_close_keys():
-    cfg = _compose(["+recipe=quickstart", "+trainer.stepz=3"])  # Hydra itself accepts it
+    cfg = _compose(["+recipe=quickstart_1digit", "+trainer.stepz=3"])  # Hydra itself accepts it
     with pytest.raises(ConfigError, match=r"trainer.stepz is not a config key: did you mean trainer.steps"):
         load_config(cfg)
-    cfg = _compose(["+recipe=quickstart", "+algo.rollout_is.uper=3"])
+    cfg = _compose(["+recipe=quickstart_1digit", "+algo.rollout_is.uper=3"])
     with pytest.raises(ConfigError, match=r"algo.rollout_is.uper .*did you mean algo.rollout_is.upper"):
         load_config(cfg)
     with pytest.raises(ConfigError, match=r"optimizer is not a config key: valid keys here: \['algo',"):
-        load_config(_compose(["+recipe=quickstart", "+optimizer.lr=3"]))
+        load_config(_compose(["+recipe=quickstart_1digit", "+optimizer.lr=3"]))
 
 
 def test_a_wrong_type_names_the_key(quickstart):
