@@ -1,4 +1,5 @@
-"""The typed batches that cross module borders.
+"""The typed batches that cross module borders: RolloutBatch (an engine's output), ScoredBatch (the rollout
+half's output, with its policy version) and TrainBatch (the learner's input).
 
 Both are frozen dataclasses: a stage that wants to change a field builds a new batch with
 `dataclasses.replace`, so a tensor that was logged is never modified behind the logger's back.
@@ -170,3 +171,30 @@ class TrainBatch(_RowOps):
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """This rank's share of a step's scored groups (whole groups, contiguous)."""
+
+    rollout: RolloutBatch
+    rewards: Tensor
+    """[N] float32 total reward (weighted reward functions + overlong penalty): what advantages use."""
+    correct: Tensor
+    """[N] float32 1/0: the task's verdict on each sample (`accuracy`, the refill filter's `accuracy`)."""
+    per_fn: dict[str, Tensor]
+    """[N] float32 per reward term: each reward function's raw value, and `overlong` when it is on."""
+    errors: int
+    """Reward calls that raised, hung or returned a non-number on this rank (all generation batches)."""
+    timeouts: int
+    """Of those, the ones that timed out."""
+    stats: dict[str, float]
+    """`dynamic/gen_batches`, `dynamic/kept_frac` (global, refill mode only)."""
+    policy_version: int
+    """The trainer step whose weights generated these samples."""
+    env_stats: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    """[N] float32 per episode: `turns`, `tool_calls` (logged as env/<name>, means per episode)."""
+    env_errors: int = 0
+    """Environment steps that raised or hung on this rank (their episodes score 0)."""
+    env_timeouts: int = 0
+    """Of those, the ones that timed out."""

@@ -15,6 +15,7 @@ import re
 import sys
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -79,3 +80,34 @@ def stopped_ranks_message(barrier_error: str, rank: int) -> str:
     return (
         f"the ranks could not be checked ({barrier_error.splitlines()[0] if barrier_error else 'no detail'})"
     )
+
+
+# -- small collectives over the default group (no-ops with one process) ---------------------------------
+
+
+def broadcast_object(obj, world: int):
+    """Rank 0's `obj` on every rank."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_cat(x: torch.Tensor, world: int, device) -> torch.Tensor:
+    """Concatenate a per-rank [n, ...] tensor over ranks in rank order (same shape on every rank)."""
+    if world == 1:
+        return x
+    x = x.to(device).contiguous()
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x)
+    return torch.cat(out)
+
+
+def all_reduce(x: torch.Tensor, world: int, device=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`x` reduced over ranks (a new tensor; `x` is left untouched)."""
+    if world == 1:
+        return x
+    x = x.to(device if device is not None else x.device).clone()
+    dist.all_reduce(x, op=op)
+    return x

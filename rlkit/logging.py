@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
+BACKENDS = ("wandb", "console", "none")  # logger.backend
+
 REACH_TIMEOUT_S = 5.0
 """How long the start-up check may wait for a TCP connection to the W&B host (DNS included)."""
 INIT_TIMEOUT_S = 30.0
@@ -154,8 +156,8 @@ class MetricsLogger:
             if mode == "offline":
                 run_path = Path(self.run.dir).parent
                 print(f"W&B: offline run in {run_path}; upload later with: wandb sync {run_path}", flush=True)
-        elif backend not in ("console", "none"):
-            raise ValueError(f"logger.backend={backend!r} is not one of ['wandb', 'console', 'none']")
+        elif backend not in BACKENDS:
+            raise ValueError(f"logger.backend={backend!r} is not one of {list(BACKENDS)}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._jsonl.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")

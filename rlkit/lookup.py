@@ -1,4 +1,5 @@
-"""Named-or-imported callables (reward functions, environments): one lookup rule for every registry.
+"""Registries of names (one source for every name a config key can take) and named-or-imported callables
+(reward functions, environments): one lookup rule for every registry.
 
 Imports nothing heavy: reward worker processes load it.
 """
@@ -32,3 +33,49 @@ def lookup(spec: str, registry: dict[str, Callable], *, key: str, kind: str = "f
     if not callable(obj):
         raise ValueError(f"{key}={spec!r} is not callable")
     return obj
+
+
+class Registry(dict):
+    """The one list of the names a config key can take, filled by the module that implements them.
+
+        ESTIMATORS = Registry("algo.adv_estimator")
+
+        @ESTIMATORS.register("grpo", group_based=True)
+        def _grpo(inputs, params): ...
+
+    `ESTIMATORS["grpo"]` is the registered object, `ESTIMATORS.props("grpo")` its properties, and
+    `ESTIMATORS.check(value)` raises a `ValueError` that names the key, the value and every registered name.
+    """
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
+        self._props: dict[str, dict] = {}
+
+    def register(self, name: str, **props):
+        """Decorator: register the decorated object under `name` with keyword properties."""
+
+        def add(obj):
+            if name in self:
+                raise ValueError(f"{self.key}: {name!r} is registered twice")
+            self[name] = obj
+            self._props[name] = props
+            return obj
+
+        return add
+
+    def props(self, name: str) -> dict:
+        self.check(name)
+        return self._props[name]
+
+    def names(self, **where) -> list[str]:
+        """The registered names (those whose properties equal `where`)."""
+        return [n for n in self if all(self._props[n].get(k) == v for k, v in where.items())]
+
+    def check(self, value) -> None:
+        if value not in self:
+            raise ValueError(f"{self.key}={value!r} is not one of {list(self)}")
+
+    def get_checked(self, value):
+        self.check(value)
+        return self[value]

@@ -1,4 +1,9 @@
-"""Guards of a run directory, checked on rank 0 before any model loads.
+"""The run directory: its layout and its guards (the only module that knows where files go).
+
+    <run_dir>/rlkit.lock  metrics.jsonl  config.json  curves.png  .hydra/
+    <run_dir>/checkpoints/step_<k>/{model, state, trainer_state.json, ...}   (.tmp-step_<k> while written)
+
+The guards are checked on rank 0 before any model loads:
 
 - One run per directory: `RunDirLock` holds an exclusive `flock` on `<run_dir>/rlkit.lock` for the life of
   the run. The kernel releases it when the process ends, however it ends (exit, crash, kill -9), so a stale
@@ -18,12 +23,18 @@ import fcntl
 import json
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "rlkit.lock"
 METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
+PENDING_FILE = "rollouts.safetensors"  # async: batches generated and not trained yet (tensors only)
 
 
 class RunDirLock:
@@ -83,8 +94,6 @@ def check_fresh_run(run_dir: str | Path, resume: str) -> None:
 
 
 def checkpoint_state(checkpoint: str | Path) -> dict:
-    from rlkit.trainer import TRAINER_STATE
-
     return json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
 
 
@@ -124,3 +133,57 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
             "%s: dropped %d lines after step %d (the resumed run redoes those steps)", path, dropped, step
         )
     return dropped
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `run_dir/checkpoints` (temp dirs are ignored)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    done = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := CHECKPOINT_RE.match(p.name)) and (p / TRAINER_STATE).exists()
+    ]
+    return max(done)[1] if done else None
+
+
+def resume_path(run_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint `trainer.resume` names: none, the latest complete one (auto), or a directory."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not (path / TRAINER_STATE).exists():
+        raise FileNotFoundError(
+            f"trainer.resume={resume!r} is not a complete checkpoint (no {TRAINER_STATE})"
+        )
+    return path
+
+
+def checkpoint_dirs(run_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """(temporary, final) directory of the checkpoint of `step`: written into the first, renamed to the second."""
+    root = Path(run_dir) / CHECKPOINTS
+    return root / f".tmp-step_{step}", root / f"step_{step}"
+
+
+def commit_checkpoint(tmp: Path, final: Path, state: dict) -> None:
+    """Write the trainer state last, then rename the complete checkpoint into place."""
+    (tmp / TRAINER_STATE).write_text(json.dumps(state))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the `keep` most recent checkpoints (0 keeps all)."""
+    if keep <= 0:
+        return
+    root = Path(run_dir) / CHECKPOINTS
+    done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+    for _, path in done[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -18,7 +18,10 @@ import uuid
 import hydra
 from omegaconf import DictConfig
 
-from rlkit.config import CONFIG_DIR, RLConfig, load_config, register_configs, to_dict
+from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
+from rlkit.trainer import load_config
+
+__all__ = ["compose", "load_config", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ def _default_num_processes(cfg: DictConfig) -> int:
     import torch
 
     if cfg.trainer.device != "cpu" and torch.cuda.is_available():
-        # async: the last trainer.rollout_gpus GPUs belong to the rollout workers (rlkit/rollout/remote.py)
+        # async: the last trainer.rollout_gpus GPUs belong to the rollout workers (rlkit/rollout/remote/)
         reserved = cfg.trainer.rollout_gpus if cfg.trainer.mode == "async" else 0
         return max(1, torch.cuda.device_count() - reserved)
     return 1

@@ -6,15 +6,17 @@
                    trainer.mode=sync, in rollout worker processes with trainer.mode=async)
     3 logprobs     learner.forward: current policy (mismatch metrics, IS, off-policy ratio),
                    reference (KL), values (PPO)
-    4 advantages   rlkit.algos.advantages (+ zero-std group masking, + KL-shaped rewards for PPO)
+    4 advantages   the registered estimator of rlkit.algos.advantages (+ zero-std group masking)
     5 correction   rlkit.algos.correction.rollout_is + mismatch metrics
     6 update       learner.update(TrainBatch)
-    7 weight push  self.rollouts.push (+ the weight-sync check at the first steps)
+    7 weight push  self.rollouts.push(learner.export()) (+ the weight-sync check at the first steps)
     8 eval         every trainer.eval_every steps and at the end (never masked)
     9 checkpoint   every trainer.save_every steps, at the end, and on SIGTERM / SIGINT
 
-Every rank runs the same code on its own prompts; per-sample statistics are gathered across ranks and
-token statistics merged by token counts, so the logged numbers describe the global batch.
+Every rank runs the same code on its own prompts; per-sample statistics are gathered across ranks in one
+collective and token statistics merged by token counts, so the logged numbers describe the global batch.
+`preflight` checks the whole configuration, component by component, before any process starts or any
+model loads.
 """
 
 from __future__ import annotations
@@ -23,108 +25,83 @@ import contextlib
 import json
 import logging
 import os
-import re
-import resource
-import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from rlkit.config import RLConfig, to_dict
+from rlkit import rundir
+from rlkit.algos import advantages as adv
+from rlkit.algos import correction, kl
+from rlkit.batch import ScoredBatch, Sequences, TrainBatch
+from rlkit.collectives import all_gather_cat, all_reduce, broadcast_object
+from rlkit.config.rules import choice, local_path_exists, nonempty, parse
+from rlkit.config.schema import ConfigError, RLConfig, to_dict
+from rlkit.metrics import MetricMerger
+from rlkit.timing import Timers, peak_memory_gb
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
-TRAINER_STATE = "trainer_state.json"
+MODES = ("sync", "async")  # trainer.mode
 
 
 class WeightSyncError(RuntimeError):
     """The rollout engine's weights differ from the learner's (the weight push did not happen)."""
 
 
-class Timers:
-    """`with timers("generate"): ...` accumulates wall seconds under `timing/generate_s`."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # GPU work is asynchronous: time it to completion
-            self.seconds[f"timing/{name}_s"] = (
-                self.seconds.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
+def check_config(cfg: RLConfig) -> None:
+    """The keys the loop owns: trainer.mode (and async's), run_dir, resume (raises ConfigError)."""
+    t, r = cfg.trainer, cfg.rollout
+    choice("trainer.mode", t.mode, MODES)
+    nonempty("trainer.run_dir", t.run_dir)
+    if Path(t.run_dir).expanduser().is_file():
+        raise ConfigError(f"trainer.run_dir={t.run_dir!r} is a file, not a directory")
+    if t.resume not in ("auto", "none") and not Path(t.resume).expanduser().is_dir():
+        raise ConfigError(
+            f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"
+        )
+    if t.mode != "async":
+        return
+    if t.train_batch_size % (r.group_size * t.rollout_gpus):
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x "
+            f"trainer.rollout_gpus = {r.group_size} x {t.rollout_gpus} (each rollout worker samples whole groups)"
+        )
+    if t.device != "cpu":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus and gpus <= t.rollout_gpus:
+            raise ConfigError(
+                f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
+                f"use at most {gpus - 1}"
             )
+    if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
+        log.warning(
+            "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
+            "are trained without the behaviour-policy correction of decoupled PPO", t.max_staleness,
+        )  # fmt: skip
 
 
-def learner_config(cfg: RLConfig):
-    """Map the run config onto the learner's own config (defaults live in RLConfig only)."""
-    from rlkit.learner import LearnerConfig
+def preflight(cfg: RLConfig) -> None:
+    """Every component checks the keys it owns, before any process starts or any model loads."""
+    from rlkit import envs, learner, rewards
+    from rlkit.data import loading
+    from rlkit.rollout import engines, producer
 
-    a, t = cfg.algo, cfg.trainer
-    return LearnerConfig(
-        model_path=cfg.model.path,
-        dtype=cfg.model.dtype,
-        strategy=t.strategy,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        lora_rank=cfg.model.lora.rank,
-        lora_alpha=cfg.model.lora.alpha,
-        lora_dropout=cfg.model.lora.dropout,
-        lora_target_modules=tuple(cfg.model.lora.target_modules),
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=tuple(t.betas),
-        warmup_steps=t.warmup_steps,
-        total_steps=t.steps * a.ppo_epochs * a.mini_batches,
-        lr_schedule=t.lr_schedule,
-        max_grad_norm=t.max_grad_norm,
-        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        pack_sequences=t.pack_sequences,
-        logprob_chunk_tokens=t.logprob_chunk_tokens,
-        temperature=cfg.rollout.temperature,
-        top_k=cfg.rollout.top_k,
-        top_p=cfg.rollout.top_p,
-        policy_loss=a.policy_loss,
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        dual_clip=a.dual_clip,
-        loss_agg_mode=a.loss_agg_mode,
-        norm_len=a.norm_len if a.norm_len is not None else cfg.rollout.max_new_tokens,
-        # With KL in the reward the KL is not a loss term, but the reference is still needed.
-        kl_coef=0.0 if a.kl_in_reward else a.kl_coef,
-        load_reference=a.kl_in_reward and a.kl_coef > 0,
-        kl_estimator=a.kl_estimator,
-        rollout_kl_coef=a.rollout_kl_coef,
-        rollout_kl_estimator=a.rollout_kl_estimator,
-        entropy_coef=a.entropy_coef,
-        value_model=a.value_model,
-        vf_coef=a.vf_coef,
-        value_clip=a.value_clip,
-        ppo_epochs=a.ppo_epochs,
-        mini_batches=a.mini_batches,
-        seed=t.seed,
-        collective_timeout_s=t.collective_timeout_s,
-    )
+    local_path_exists("model.path", cfg.model.path)
+    for check in (
+        loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
+        producer.check_config, check_config, envs.check_config,
+    ):  # fmt: skip
+        check(cfg)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `run_dir/checkpoints` (temp dirs are ignored)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := CHECKPOINT_RE.match(p.name)) and (p / TRAINER_STATE).exists()
-    ]
-    return max(done)[1] if done else None
+def load_config(cfg, *, world_size: int = 1) -> RLConfig:
+    """Composed Hydra config -> checked `RLConfig`: the schema's rules, then every component's `check_config`."""
+    config = parse(cfg, world_size=world_size)
+    preflight(config)
+    return config
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -132,32 +109,45 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum() / m.sum().clamp_min(1)
 
 
+@dataclass
+class Scored:
+    """Phase 3's output: the current policy's view of a batch."""
+
+    logp: torch.Tensor
+    """[scored, T] current-policy log-probs of the first `scored` rows (all rows when the update needs them)."""
+    probe: torch.Tensor
+    """[scored, T] bool, the tokens whose log-probs were computed."""
+    lp: object
+    kl_tok: torch.Tensor | None
+    """[N, T] per-token KL to the reference (when there is one)."""
+
+
 class Trainer:
     """Builds everything from the config and runs `train()`. One instance per rank."""
 
     def __init__(self, cfg: RLConfig):
-        from rlkit.learner import Learner, make_accelerator
+        from rlkit.learner import Learner
+        from rlkit.learner.strategy import make_accelerator
         from rlkit.models import load_tokenizer
 
         self.cfg = cfg
         t = cfg.trainer
-        self.lcfg = learner_config(cfg)
         # The accelerator initialises torch.distributed when launched with several processes.
-        self.accelerator = make_accelerator(self.lcfg)
+        self.accelerator = make_accelerator(cfg)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.rank == 0
         from rlkit.collectives import CollectiveWatch
 
         self._watch = CollectiveWatch(self.world, t.collective_timeout_s)  # names a stopped rank
-        self.run_dir = Path(self._broadcast(str(Path(t.run_dir).resolve())))
+        self.run_dir = Path(broadcast_object(str(Path(t.run_dir).resolve()), self.world))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self._run_lock = self._guard_run_dir()
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.group_size = cfg.rollout.group_size
-        self.learner = Learner(self.lcfg, self.accelerator)
+        self.learner = Learner(cfg, self.accelerator)
         self.device = self.learner.device
         # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
         if t.mode == "sync":
@@ -168,14 +158,14 @@ class Trainer:
                 reward_dtype=self.learner.compute_dtype,
             )  # fmt: skip
         else:
-            from rlkit.rollout.remote import AsyncRollouts
+            from rlkit.rollout.remote.client import AsyncRollouts
 
             self.rollouts = AsyncRollouts(cfg, rank=self.rank, world=self.world, device=self.device)
 
         self.step = 0
         self.wandb_id = None
         self._stop_signal: int | None = None
-        resume_from = self._resume_path()
+        resume_from = rundir.resume_path(self.run_dir, t.resume)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
 
@@ -194,56 +184,24 @@ class Trainer:
     def _guard_run_dir(self):
         """Lock run_dir for this run and check what it holds, on rank 0 before any model loads (see
         rlkit.rundir); every rank raises rank 0's error. Returns the lock (rank 0) or None."""
-        from rlkit.rundir import (
-            RunDirLock,
-            check_fresh_run,
-            check_world_size,
-            checkpoint_state,
-            truncate_metrics,
-        )
-
         lock = error = None
         if self.is_main:
             try:
-                lock = RunDirLock(self.run_dir)
-                check_fresh_run(self.run_dir, self.cfg.trainer.resume)
-                resume_from = self._resume_path()
+                lock = rundir.RunDirLock(self.run_dir)
+                rundir.check_fresh_run(self.run_dir, self.cfg.trainer.resume)
+                resume_from = rundir.resume_path(self.run_dir, self.cfg.trainer.resume)
                 if resume_from is not None:
-                    check_world_size(resume_from, self.world)
-                truncate_metrics(self.run_dir, checkpoint_state(resume_from)["step"] if resume_from else 0)
+                    rundir.check_world_size(resume_from, self.world)
+                step = rundir.checkpoint_state(resume_from)["step"] if resume_from else 0
+                rundir.truncate_metrics(self.run_dir, step)
             except Exception as e:
                 if lock is not None:
                     lock.release()
                 error = e
-        error = self._broadcast(error)
+        error = broadcast_object(error, self.world)
         if error is not None:
             raise error
         return lock
-
-    # -- distributed helpers -------------------------------------------------------------------
-
-    def _broadcast(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate a per-rank [n, ...] tensor over ranks (same n on every rank)."""
-        if self.world == 1:
-            return x
-        x = x.to(self.device).contiguous()
-        out = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(out, x)
-        return torch.cat(out)
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            return x
-        x = x.to(self.device).clone()
-        dist.all_reduce(x)
-        return x
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -252,169 +210,185 @@ class Trainer:
         timers = Timers()
         step_start = time.perf_counter()
         # 1-2. generate and reward (+ environment turns, overlong shaping, dynamic sampling): in this
-        # process (rlkit/rollout/local.py) or from the rollout workers (rlkit/rollout/remote.py).
+        # process (rlkit/rollout/local.py) or from the rollout workers (rlkit/rollout/remote/).
         produced = self.rollouts.produce(self.step, timers)
         return self.learn(produced, timers, step_start)
 
-    def learn(self, produced, timers: Timers, step_start: float) -> dict[str, float]:
+    def learn(self, produced: ScoredBatch, timers: Timers, step_start: float) -> dict[str, float]:
         """Phases 3-7 on a `ScoredBatch` generated by the policy of step `produced.policy_version`."""
-        from rlkit.algos import advantages as adv
-        from rlkit.algos import correction, kl
-        from rlkit.batch import Sequences, TrainBatch
-        from rlkit.metrics import MetricMerger
-
-        cfg, a = self.cfg, self.cfg.algo
-        G = self.group_size
         rb = produced.rollout
         mask = rb.response_mask.to(self.device).bool()
-        rollout_logp = rb.rollout_logprobs.to(self.device).float()
-        rewards = produced.rewards.to(self.device)
-        correct = produced.per_fn["math"].to(self.device)
-
-        # 3. log-probs. The whole batch needs the current policy's log-probs when the update uses them
-        # (IS weights, the off-policy ratio's denominator, the KL to the reference, the critic's
-        # baseline); otherwise the update's own forward pass serves, and only `rollout.mismatch_samples`
-        # samples are scored here for the mismatch metrics that prove the weight push happened.
-        need_ref = a.kl_coef > 0
-        whole = a.rollout_is.enabled or self.lcfg.off_policy or need_ref or a.value_model
-        scored = rb.num_samples
-        if not whole and cfg.rollout.mismatch_samples > 0:
-            scored = min(cfg.rollout.mismatch_samples, rb.num_samples)
-        with timers("logprobs"):
-            seqs = Sequences.of(rb).select(slice(0, scored))  # all rows when scored == N (a view)
-            lp = self.learner.forward(seqs, policy=True, ref=need_ref, values=a.value_model)
-        logp = lp.logprobs.to(self.device)
-        probe = mask[:scored]  # the tokens whose current-policy log-probs were computed
         token_metrics = MetricMerger()
+        with timers("logprobs"):
+            scored = self._score(rb, mask, token_metrics)
+        with timers("advantages"):
+            advantages, returns, zero_std, loss_mask = self._advantages(produced, mask, scored)
+        with timers("correction"):
+            is_weights, loss_mask = self._correction(rb, mask, loss_mask, scored, token_metrics)
+        with timers("update"):
+            update_metrics = self._update(rb, loss_mask, advantages, returns, is_weights, scored)
+        # 7. weight push (the rollout side evaluates the new weights when an eval is due)
+        with timers("weight_push"):
+            version = self.step + 1
+            push_stats = self.rollouts.push(self.learner.export(), version, evaluate=self._eval_due(version))
+        stats = self._step_stats(produced, mask, zero_std)
+        stats.update(token_metrics.compute())
+        stats.update(update_metrics)
+        return self._finish_metrics(stats, produced, timers, step_start, push_stats)
+
+    def _score(self, rb, mask, token_metrics: MetricMerger) -> Scored:
+        """3. log-probs. The whole batch needs the current policy's log-probs when the update uses them (IS
+        weights, the off-policy ratio's denominator, the KL to the reference, the critic's baseline);
+        otherwise the update's own forward pass serves, and only `rollout.mismatch_samples` samples are
+        scored here for the mismatch metrics that prove the weight push happened."""
+        a = self.cfg.algo
+        need_ref = a.kl_coef > 0
+        whole = a.rollout_is.enabled or self.learner.off_policy or need_ref or a.value_model
+        scored = rb.num_samples
+        if not whole and self.cfg.rollout.mismatch_samples > 0:
+            scored = min(self.cfg.rollout.mismatch_samples, rb.num_samples)
+        seqs = Sequences.of(rb).select(slice(0, scored))  # all rows when scored == N (a view)
+        lp = self.learner.forward(seqs, policy=True, ref=need_ref, values=a.value_model)
+        logp = lp.logprobs.to(self.device)
+        probe = mask[:scored]
         kl_tok = None
         if need_ref:
             # The KL to the reference as the rollout saw it, measured before any advantage code runs.
             kl_tok = kl.kl_estimate(logp, lp.ref_logprobs.to(self.device), a.kl_estimator)
             token_metrics.add({"rollout/kl": _masked_mean(kl_tok, mask)}, mask.sum())
         token_metrics.add({"rollout/entropy": _masked_mean(lp.entropy.to(self.device), probe)}, probe.sum())
+        return Scored(logp, probe, lp, kl_tok)
 
-        # 4. advantages
-        with timers("advantages"):
-            zero_std = adv.zero_std_groups(rewards, G)
-            returns = None
-            if a.adv_estimator in ("grpo", "rloo"):
-                seq_adv = (
-                    adv.grpo(rewards, G, norm_by_std=a.norm_by_std)
-                    if a.adv_estimator == "grpo"
-                    else adv.rloo(rewards, G)
-                )
-                advantages = seq_adv[:, None] * mask
-            else:
-                kl_for_reward = kl_tok if a.kl_in_reward else torch.zeros_like(rollout_logp)
-                token_rewards = adv.kl_shaped_rewards(
-                    rewards, kl_for_reward, mask, kl_coef=a.kl_coef if a.kl_in_reward else 0.0
-                )
-                if a.adv_estimator == "gae":
-                    advantages, returns = adv.gae(
-                        token_rewards, lp.values.to(self.device), mask, gamma=a.gamma, lam=a.lam
-                    )
-                else:
-                    # REINFORCE++ whitens over the global batch: with several ranks, every rank
-                    # whitens its rows with the statistics summed over all ranks.
-                    discounted = adv.discounted_returns(token_rewards, mask, gamma=a.gamma)
-                    stats = self._sum(adv.masked_moments(discounted, mask)) if self.world > 1 else None
-                    advantages = adv.whiten(discounted, mask, moments=stats)
-            loss_mask = mask & ~zero_std[:, None] if a.mask_zero_std_groups else mask
-            if a.overlong_filter:
-                # Responses cut by the length cap leave the loss (their reward judges an unfinished answer).
-                cut = torch.tensor([f == "length" for f in rb.finish_reasons], device=self.device)
-                loss_mask = loss_mask & ~cut[:, None]
+    def _advantages(self, produced: ScoredBatch, mask, scored: Scored):
+        """4. advantages from the registered estimator; the loss mask without zero-std groups and, with
+        `algo.overlong_filter`, without responses cut by the length cap."""
+        a, rb = self.cfg.algo, produced.rollout
+        rewards = produced.rewards.to(self.device)
+        inputs = adv.AdvantageInputs(
+            rewards=rewards, mask=mask, group_size=self.group_size,
+            kl=scored.kl_tok if a.kl_in_reward else None, kl_coef=a.kl_coef,
+            values=scored.lp.values.to(self.device) if a.value_model else None,
+            global_sum=(lambda x: all_reduce(x, self.world, self.device)) if self.world > 1 else None,
+        )  # fmt: skip
+        advantages, returns = adv.estimate(a.adv_estimator, inputs, a)
+        zero_std = adv.zero_std_groups(rewards, self.group_size)
+        loss_mask = mask & ~zero_std[:, None] if a.mask_zero_std_groups else mask
+        if a.overlong_filter:
+            # Responses cut by the length cap leave the loss (their reward judges an unfinished answer).
+            cut = torch.tensor([f == "length" for f in rb.finish_reasons], device=self.device)
+            loss_mask = loss_mask & ~cut[:, None]
+        return advantages, returns, zero_std, loss_mask
 
-        # 5. rollout correction (engine vs learner mismatch)
-        with timers("correction"):
-            probe_rollout = rollout_logp[:scored]
-            token_metrics.add(correction.mismatch_metrics(logp, probe_rollout, probe), probe.sum())
-            rkl = correction.rollout_kl(logp, probe_rollout, kind=a.rollout_kl_estimator)
-            token_metrics.add({"rollout_kl": _masked_mean(rkl, probe)}, probe.sum())
-            is_weights = None
-            if a.rollout_is.enabled:
-                # Weights and statistics over every sampled token (the rollout's drift, whether or not its
-                # group trains); everything before narrowed the loss mask by whole rows, so the trained
-                # rows' weights are the same, and the rejection only narrows the loss mask further.
-                c = a.rollout_is
-                is_weights, kept, is_metrics = correction.rollout_is(
-                    logp, rollout_logp, mask, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
-                    veto_lower=c.veto_lower, veto_upper=c.veto_upper,
-                )  # fmt: skip
-                loss_mask = loss_mask & kept
-                token_metrics.add(is_metrics, mask.sum())
-
-        # 6. update
-        with timers("update"):
-            batch = TrainBatch(
-                prompt_ids=rb.prompt_ids.to(self.device),
-                prompt_mask=rb.prompt_mask.to(self.device),
-                response_ids=rb.response_ids.to(self.device),
-                response_mask=loss_mask,
-                advantages=advantages,
-                old_logprobs=logp if self.lcfg.off_policy else None,
-                ref_logprobs=lp.ref_logprobs.to(self.device) if self.lcfg.kl_coef > 0 else None,
-                rollout_logprobs=rollout_logp if a.rollout_kl_coef > 0 else None,
-                is_weights=is_weights,
-                values=lp.values.to(self.device) if a.value_model else None,
-                returns=returns,
-            )
-            update_metrics = self.learner.update(batch)
-
-        # 7. weight push (the rollout side evaluates the new weights when an eval is due)
-        with timers("weight_push"):
-            version = self.step + 1
-            push_stats = self.rollouts.push(self.learner, version, evaluate=self._eval_due(version))
-
-        # Global per-sample statistics (ranks hold equal numbers of samples).
-        lengths = self._gather(mask.sum(-1).float())
-        clipped = torch.tensor(
-            [f == "length" for f in rb.finish_reasons], dtype=torch.float32, device=self.device
+    def _correction(self, rb, mask, loss_mask, scored: Scored, token_metrics: MetricMerger):
+        """5. rollout correction: mismatch metrics, and IS weights over every sampled token (the rollout's
+        drift, whether or not its group trains); rejection only narrows the loss mask further."""
+        a = self.cfg.algo
+        rollout_logp = rb.rollout_logprobs.to(self.device).float()
+        probe_rollout = rollout_logp[: scored.probe.shape[0]]
+        token_metrics.add(
+            correction.mismatch_metrics(scored.logp, probe_rollout, scored.probe), scored.probe.sum()
         )
-        all_rewards, all_correct = self._gather(rewards), self._gather(correct)
-        tokens = self._sum(
-            torch.tensor([float(rb.stats.get("gen_tokens", float(mask.sum())))], device=self.device)
+        rkl = correction.rollout_kl(scored.logp, probe_rollout, kind=a.rollout_kl_estimator)
+        token_metrics.add({"rollout_kl": _masked_mean(rkl, scored.probe)}, scored.probe.sum())
+        if not a.rollout_is.enabled:
+            return None, loss_mask
+        c = a.rollout_is
+        is_weights, kept, is_metrics = correction.rollout_is(
+            scored.logp, rollout_logp, mask, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
+            veto_lower=c.veto_lower, veto_upper=c.veto_upper,
+        )  # fmt: skip
+        token_metrics.add(is_metrics, mask.sum())
+        return is_weights, loss_mask & kept
+
+    def _update(self, rb, loss_mask, advantages, returns, is_weights, scored: Scored) -> dict:
+        """6. one `learner.update` on the TrainBatch."""
+        a = self.cfg.algo
+        lp = scored.lp
+        batch = TrainBatch(
+            prompt_ids=rb.prompt_ids.to(self.device),
+            prompt_mask=rb.prompt_mask.to(self.device),
+            response_ids=rb.response_ids.to(self.device),
+            response_mask=loss_mask,
+            advantages=advantages,
+            old_logprobs=scored.logp if self.learner.off_policy else None,
+            ref_logprobs=lp.ref_logprobs.to(self.device) if self.learner.kl_coef > 0 else None,
+            rollout_logprobs=rb.rollout_logprobs.to(self.device).float() if a.rollout_kl_coef > 0 else None,
+            is_weights=is_weights,
+            values=lp.values.to(self.device) if a.value_model else None,
+            returns=returns,
         )
+        return self.learner.update(batch)
+
+    def _step_stats(self, produced: ScoredBatch, mask, zero_std) -> dict:
+        """Global per-sample statistics and counters, in one collective (ranks hold equal numbers of samples)."""
+        rb = produced.rollout
+        columns = {
+            "reward": produced.rewards,
+            "correct": produced.correct,
+            "zero_std": zero_std.float(),
+            "length": mask.sum(-1).float(),
+            "clipped": torch.tensor([f == "length" for f in rb.finish_reasons], dtype=torch.float32),
+            **{f"per_fn/{k}": v for k, v in produced.per_fn.items()},
+            **{f"env/{k}": v for k, v in produced.env_stats.items()},
+        }
+        counters = {
+            "reward/errors": produced.errors, "reward/timeouts": produced.timeouts,
+            "env/errors": produced.env_errors, "env/timeouts": produced.env_timeouts,
+            "gen_tokens": rb.stats.get("gen_tokens", mask.sum()),
+        }  # fmt: skip
+        n = rb.num_samples
+        local = torch.cat(
+            [torch.stack([v.to(self.device, torch.float32) for v in columns.values()], 1).flatten()]
+            + [torch.tensor([float(c) for c in counters.values()], device=self.device)]
+        )
+        rows = all_gather_cat(local[None], self.world, self.device)  # [world, n * K + C]: the one collective
+        per_sample = rows[:, : n * len(columns)].reshape(self.world, n, len(columns)).flatten(0, 1)
+        col = {k: per_sample[:, i] for i, k in enumerate(columns)}
+        sums = rows[:, n * len(columns) :].sum(0)
+        count = dict(zip(counters, sums))
+        all_rewards = col["reward"]
         stats = {
             "reward/mean": all_rewards.mean(),
             "reward/std": all_rewards.std(unbiased=False) if all_rewards.numel() > 1 else torch.zeros(()),
             "reward/max": all_rewards.max(),
             "reward/min": all_rewards.min(),
-            "accuracy": all_correct.mean(),
-            "frac_reward_zero_std": self._gather(zero_std.float()).mean(),
-            "response_length/mean": lengths.mean(),
-            "response_length/max": lengths.max(),
-            "response_length/clip_ratio": self._gather(clipped).mean(),
-            "reward/errors": self._sum(torch.tensor([float(produced.errors)], device=self.device))[0],
-            "reward/timeouts": self._sum(torch.tensor([float(produced.timeouts)], device=self.device))[0],
+            "accuracy": col["correct"].mean(),
+            "frac_reward_zero_std": col["zero_std"].mean(),
+            "response_length/mean": col["length"].mean(),
+            "response_length/max": col["length"].max(),
+            "response_length/clip_ratio": col["clipped"].mean(),
+            "reward/errors": count["reward/errors"],
+            "reward/timeouts": count["reward/timeouts"],
+            "gen_tokens": count["gen_tokens"],
         }
-        for name, values in produced.per_fn.items():
+        for name in produced.per_fn:
             short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn
-            stats[f"reward/{short}"] = self._gather(values.to(self.device)).mean()
-        for name, values in produced.env_stats.items():  # env/turns, env/tool_calls: means per episode
-            stats[f"env/{name}"] = self._gather(values.to(self.device)).mean()
-        stats["env/errors"] = self._sum(torch.tensor([float(produced.env_errors)], device=self.device))[0]
-        stats["env/timeouts"] = self._sum(torch.tensor([float(produced.env_timeouts)], device=self.device))[0]
+            stats[f"reward/{short}"] = col[f"per_fn/{name}"].mean()
+        for name in produced.env_stats:  # env/turns, env/tool_calls: means per episode
+            stats[f"env/{name}"] = col[f"env/{name}"].mean()
+        stats["env/errors"], stats["env/timeouts"] = count["env/errors"], count["env/timeouts"]
         # Policy versions between the weights that generated the batch and the ones it trains (async).
         stats["staleness/mean"] = stats["staleness/max"] = float(self.step - produced.policy_version)
         stats["staleness/dropped"] = 0.0
         stats.update(produced.stats)
-        stats.update(token_metrics.compute())
-        stats.update(update_metrics)
-        # The one host sync of the step.
+        return stats
+
+    def _finish_metrics(self, stats: dict, produced, timers: Timers, step_start: float, push_stats) -> dict:
+        """Every statistic to the host at once, plus timings and throughput."""
         names = list(stats)
         values = torch.stack(
             [torch.as_tensor(stats[k], dtype=torch.float32).reshape(()).cpu() for k in names]
         ).tolist()
         metrics = dict(zip(names, values))
+        tokens = metrics.pop("gen_tokens")
         metrics.update(timers.seconds)
         elapsed = time.perf_counter() - step_start
         metrics["timing/step_s"] = elapsed
-        metrics["perf/tokens_per_s"] = float(tokens[0]) / max(elapsed, 1e-9)
-        metrics["perf/gen_tokens_per_s"] = float(tokens[0]) / max(timers.seconds["timing/generate_s"], 1e-9)
+        metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        metrics["perf/gen_tokens_per_s"] = tokens / max(timers.seconds["timing/generate_s"], 1e-9)
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
-        metrics["perf/peak_memory_gb"] = _peak_memory_gb()
-        if cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
+        metrics["perf/peak_memory_gb"] = peak_memory_gb()
+        if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
             lag = int(metrics["staleness/max"])
             for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
                 if key in metrics:
@@ -444,25 +418,12 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _resume_path(self) -> Path | None:
-        resume = self.cfg.trainer.resume
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return latest_checkpoint(self.run_dir)
-        path = Path(resume)
-        if not (path / TRAINER_STATE).exists():
-            raise FileNotFoundError(
-                f"trainer.resume={resume!r} is not a complete checkpoint (no {TRAINER_STATE})"
-            )
-        return path
-
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete."""
-        root = self.run_dir / "checkpoints"
-        final = root / f"step_{self.step}"
-        tmp = root / f".tmp-step_{self.step}"
+        tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
         if self.is_main:
+            import shutil
+
             shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
@@ -470,31 +431,15 @@ class Trainer:
         rollout_state = self.rollouts.checkpoint(tmp)  # the data position (async: and the pending batches)
         if self.is_main:
             self.tokenizer.save_pretrained(tmp / "model")
-            state = {
-                "step": self.step,
-                **rollout_state,
-                "wandb_id": self.wandb_id,
-                "world_size": self.world,
-            }
-            (tmp / TRAINER_STATE).write_text(json.dumps(state))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._prune(root)
+            state = {"step": self.step, **rollout_state, "wandb_id": self.wandb_id, "world_size": self.world}
+            rundir.commit_checkpoint(tmp, final, state)
+            rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
         self.accelerator.wait_for_everyone()
         log.info("checkpoint written: %s", final)
         return final
 
-    def _prune(self, root: Path) -> None:
-        keep = self.cfg.trainer.keep_last
-        if keep <= 0:
-            return
-        done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-        for _, path in done[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
-
     def _load_checkpoint(self, path: Path) -> None:
-        state = json.loads((path / TRAINER_STATE).read_text())
+        state = rundir.checkpoint_state(path)
         self.learner.load_checkpoint(path)
         self.step = state["step"]
         self.rollouts.load_checkpoint(path, state)
@@ -510,7 +455,7 @@ class Trainer:
 
     def _should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
-        return bool(self._sum(flag)[0] > 0)
+        return bool(all_reduce(flag, self.world)[0] > 0)
 
     def train(self) -> list[dict[str, float]]:
         """Run from the current step to trainer.steps; returns the logged metrics of each step (the
@@ -526,51 +471,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
-        first_step = self.step
-        checkpoint_timing = {}
         try:
-            baseline = t.eval_at_start and self.step == 0
-            # The engine gets the learner's weights (a resumed run's; async: the workers start).
-            self.rollouts.start(self.learner, self.step, evaluate=baseline)
-            if baseline:
-                timers = Timers()
-                with timers("eval"):
-                    baseline = self.evaluate()
-                baseline.update(timers.seconds)
-                if self.logger is not None and "eval/pass@1" in baseline:
-                    self.logger.log(baseline, step=0)
-            while self.step < t.steps:
-                metrics = self.train_step()
-                # A stale batch (async) was generated by older weights: its mismatch is policy change.
-                if metrics["staleness/max"] == 0 and self.step in (first_step, first_step + 1):
-                    self._check_weight_sync(metrics, after_push=self.step > 0)
-                self.step += 1
-                timers = Timers()
-                if self._eval_due(self.step):
-                    with timers("eval"):
-                        metrics.update(self.evaluate())
-                stop = self._should_stop()
-                metrics.update(timers.seconds)
-                metrics.update(checkpoint_timing)  # the checkpoint written after the previous step
-                checkpoint_timing = {}
-                history.append(metrics)
-                # The step's line goes out before its checkpoint: a crash between the two leaves a line
-                # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
-                if self.logger is not None:
-                    self.logger.log(metrics, step=self.step)
-                if bar is not None:
-                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
-                    bar.update(1)
-                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
-                    checkpoint_timers = Timers()
-                    with checkpoint_timers("checkpoint"):
-                        self.save_checkpoint()
-                    checkpoint_timing = checkpoint_timers.seconds
-                if stop:
-                    log.warning(
-                        "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
-                    )
-                    break
+            self._run(bar, history)
         finally:
             if bar is not None:
                 bar.close()
@@ -579,6 +481,58 @@ class Trainer:
         if self.is_main:
             self._plot()
         return history
+
+    def _baseline(self) -> None:
+        """The engine gets the learner's weights (a resumed run's; async: the workers start), then the
+        step-0 evaluation the run is judged against."""
+        t = self.cfg.trainer
+        baseline = t.eval_at_start and self.step == 0
+        self.rollouts.start(self.learner.export(), self.step, evaluate=baseline)
+        if baseline:
+            timers = Timers()
+            with timers("eval"):
+                metrics = self.evaluate()
+            metrics.update(timers.seconds)
+            if self.logger is not None and "eval/pass@1" in metrics:
+                self.logger.log(metrics, step=0)
+
+    def _run(self, bar, history: list) -> None:
+        t = self.cfg.trainer
+        first_step = self.step
+        checkpoint_timing = {}
+        self._baseline()
+        while self.step < t.steps:
+            metrics = self.train_step()
+            # A stale batch (async) was generated by older weights: its mismatch is policy change.
+            if metrics["staleness/max"] == 0 and self.step in (first_step, first_step + 1):
+                self._check_weight_sync(metrics, after_push=self.step > 0)
+            self.step += 1
+            timers = Timers()
+            if self._eval_due(self.step):
+                with timers("eval"):
+                    metrics.update(self.evaluate())
+            stop = self._should_stop()
+            metrics.update(timers.seconds)
+            metrics.update(checkpoint_timing)  # the checkpoint written after the previous step
+            checkpoint_timing = {}
+            history.append(metrics)
+            # The step's line goes out before its checkpoint: a crash between the two leaves a line
+            # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
+            if self.logger is not None:
+                self.logger.log(metrics, step=self.step)
+            if bar is not None:
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+                bar.update(1)
+            if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
+                checkpoint_timers = Timers()
+                with checkpoint_timers("checkpoint"):
+                    self.save_checkpoint()
+                checkpoint_timing = checkpoint_timers.seconds
+            if stop:
+                log.warning(
+                    "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
+                )
+                break
 
     def _plot(self) -> None:
         """Curves for a user without W&B: `<run_dir>/curves.png` (redraw: scripts/plot_run.py RUN_DIR)."""
@@ -600,13 +554,6 @@ class Trainer:
         if self._run_lock is not None:
             self._run_lock.release()
             self._run_lock = None
-
-
-def _peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    # ru_maxrss is KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def run(cfg: RLConfig) -> list[dict[str, float]]:

@@ -1,8 +1,11 @@
-"""Moving learner weights into the rollout engine after an update: manifest check, then tensors.
+"""What the learner exports and how it travels to the rollout engines: names, manifest, push / send / receive.
 
-The learner yields (HF name, full tensor) one parameter at a time (FSDP2 shards gathered per
-parameter), and the engine copies each into its own model as it arrives, so the push never holds a
-second full copy of the model on one device.
+The learner and the rollout side never import each other; they meet here. The learner describes its
+weights as an `Export`: a manifest ({HF name: shape}, read from parameter metadata) and a stream of
+(HF name, full tensor) pairs, one parameter at a time (FSDP2 shards gathered per parameter). The engine
+copies each into its own model as it arrives, so the push never holds a second full copy of the model on
+one device. Which parameters are exported and under which names is decided once, by `exported` and
+`clean_param_name`, for both the manifest and the stream.
 
 A push is right or loud. Before the first tensor is copied, the engine checks the learner's whole
 manifest (every name and shape, read from parameter metadata, so nothing is gathered for it) against
@@ -18,26 +21,42 @@ Across processes (trainer.mode=async), `send_weights` broadcasts the same stream
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 Manifest = dict[str, tuple[int, ...]]
 
+# Module names that wrappers (FSDP1, DDP, torch.compile, activation checkpointing) insert into
+# parameter names; the rollout engines expect the plain transformers names.
+WRAPPER_PARTS = ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module")
 
-class WeightManifestError(ValueError):
-    """The learner's weights and the engine's do not have the same names and shapes."""
 
+@dataclass(frozen=True)
+class Export:
+    """A policy's weights as the rollout side receives them.
 
-def module_manifest(module: torch.nn.Module) -> Manifest:
-    """{clean HF name: shape} of what `rlkit.learner.iter_full_parameters(module)` yields, without gathering.
-
-    The same selection (parameters, then persistent buffers; tied parameters once, under their first
-    name); a DTensor's `.shape` is its global shape, so no shard is gathered.
+    `tensors()` starts the stream; every learner rank must consume it in lock-step (each FSDP2 gather is
+    a collective), and its names and shapes are exactly `manifest`'s, in order.
     """
-    from rlkit.learner import clean_param_name
 
+    manifest: Manifest
+    tensors: Callable[[], Iterator[tuple[str, Tensor]]]
+
+
+def clean_param_name(name: str) -> str:
+    """Strip wrapper components (FSDP1, torch.compile, activation checkpointing, a leading DDP `module.`)."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def exported(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """(clean HF name, tensor) of what a module exports: its parameters, then its persistent buffers; a
+    tied parameter once, under its first name. The tensors may be DTensor shards (not gathered here)."""
     persistent = {
         f"{mod_name}.{b}" if mod_name else b
         for mod_name, mod in module.named_modules()
@@ -46,19 +65,41 @@ def module_manifest(module: torch.nn.Module) -> Manifest:
     }
     named = list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if n in persistent]
     seen: set[int] = set()
-    out: Manifest = {}
+    out = []
     for name, tensor in named:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        out[clean_param_name(name)] = tuple(tensor.shape)
+        out.append((clean_param_name(name), tensor))
     return out
+
+
+def iter_full_parameters(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(clean HF name, full tensor) of `exported(module)`, one at a time.
+
+    FSDP2 parameters are DTensor shards: `full_tensor()` all-gathers just that one parameter, so peak
+    extra memory is one full parameter, never the whole model. Every rank must consume the iterator in
+    lock-step (each gather is a collective).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in exported(module):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full.detach()
+
+
+class WeightManifestError(ValueError):
+    """The learner's weights and the engine's do not have the same names and shapes."""
+
+
+def module_manifest(module: torch.nn.Module) -> Manifest:
+    """{clean HF name: shape} of what `iter_full_parameters(module)` yields, without gathering (a DTensor's
+    `.shape` is its global shape)."""
+    return {name: tuple(tensor.shape) for name, tensor in exported(module)}
 
 
 def tied_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
     """{manifest name: the other names of that same parameter} (e.g. a tied `lm_head.weight`)."""
-    from rlkit.learner import clean_param_name
-
     first: dict[int, str] = {}
     aliases: dict[str, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -68,16 +109,6 @@ def tied_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
         else:
             first[id(p)] = name
     return aliases
-
-
-def learner_manifest(learner) -> Manifest:
-    """The manifest of the policy `learner.named_weights()` streams (metadata only)."""
-    manifest = module_manifest(learner.accelerator.unwrap_model(learner.model))
-    if getattr(learner, "lora", False):  # merged weights under the base model's names
-        from rlkit.lora import base_manifest
-
-        manifest = base_manifest(manifest)
-    return manifest
 
 
 def check_manifest(given: Manifest, expected: Manifest, *, engine: str) -> None:
@@ -177,8 +208,8 @@ def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtyp
         yield name, tensor
 
 
-def push_weights(learner, engine, *, dtype: torch.dtype | None = None) -> dict[str, float]:
-    """Stream `learner.named_weights()` into `engine.load_weights`; every rank must call it.
+def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Stream the learner's `export` into `engine.load_weights`; every rank must call it.
 
     The engine first checks the learner's manifest (names and shapes from parameter metadata), so a
     push that cannot fit fails before anything is copied or gathered. `dtype` casts each tensor
@@ -188,8 +219,7 @@ def push_weights(learner, engine, *, dtype: torch.dtype | None = None) -> dict[s
     """
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
-    manifest = learner_manifest(learner)
-    engine.load_weights(_counted(learner.named_weights(), stats, dtype), manifest=manifest)
+    engine.load_weights(_counted(export.tensors(), stats, dtype), manifest=export.manifest)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if stats["num_tensors"] == 0:
@@ -202,18 +232,16 @@ def _finished(stats: dict, start: float) -> dict[str, float]:
     return {**stats, "seconds": seconds, "gb_per_s": stats["bytes"] / 1e9 / max(seconds, 1e-9)}
 
 
-# -- across processes (trainer.mode=async: rlkit/rollout/remote.py) ------------------------------------
+# -- across processes (trainer.mode=async: rlkit/rollout/remote/) ------------------------------------
 
 
-def send_weights(
-    pg, learner, manifest: Manifest, dtype: torch.dtype, *, is_main: bool, device
-) -> dict[str, float]:
-    """Broadcast `learner.named_weights()` from learner rank 0 (root of `pg`), cast to `dtype`, in the order
-    of `manifest`; every learner rank must call it (FSDP2 gathers each parameter on all ranks)."""
-    names = list(manifest)
+def send_weights(pg, export: Export, dtype: torch.dtype, *, is_main: bool, device) -> dict[str, float]:
+    """Broadcast the learner's `export` from learner rank 0 (root of `pg`), cast to `dtype`, in the order of
+    its manifest; every learner rank must call it (FSDP2 gathers each parameter on all ranks)."""
+    names = list(export.manifest)
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
-    named = learner.named_weights()
+    named = export.tensors()
     if not is_main:
         for _ in named:  # take part in the gathers
             pass

@@ -59,8 +59,7 @@ def rlkit_overrides(args) -> list[str]:
 
 
 def run_rlkit(args) -> dict:
-    from rlkit.config import load_config
-    from rlkit.train import compose
+    from rlkit.train import compose, load_config
     from rlkit.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -97,11 +96,10 @@ def run_trl(args) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlkit.config import load_config
-    from rlkit.data import load_splits
+    from rlkit.data.loading import load_splits
     from rlkit.models import load_tokenizer, resolve_model
     from rlkit.rewards import resolve
-    from rlkit.train import compose
+    from rlkit.train import compose, load_config
 
     # The very config rlkit runs with: same data, prompt template, system prompt and reward.
     cfg = load_config(compose(rlkit_overrides(args)))

@@ -23,14 +23,14 @@ def main() -> None:
 
     import random
 
-    from rlkit.data import _arithmetic_problem
+    from rlkit.data.arithmetic import arithmetic_problem
     from rlkit.models import load_tokenizer
-    from rlkit.rollout import make_engine
-    from rlkit.rollout.base import Sampling
+    from rlkit.rollout.engines import make_engine
+    from rlkit.rollout.engines.base import Sampling
 
     tok = load_tokenizer(args.model)
     rng = random.Random(0)
-    questions = [_arithmetic_problem(rng, ("plain_add",))["question"] for _ in range(args.prompts)]
+    questions = [arithmetic_problem(rng, ("plain_add",))["question"] for _ in range(args.prompts)]
     prompts = [
         tok.encode(
             tok.apply_chat_template(

@@ -26,7 +26,6 @@ CUDA it is `torch.cuda.max_memory_allocated` minus the allocation before the tim
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import resource
 import tempfile
@@ -179,26 +178,22 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from rlkit.learner import Learner, LearnerConfig
+    from rlkit.config.schema import RLConfig
+    from rlkit.learner import Learner
 
     config = build_config(args.config)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        kwargs = dict(
-            model_path=tmp,
-            dtype=args.dtype,
-            gradient_checkpointing=args.gradient_checkpointing,
-            lr=1e-6,
-            max_tokens_per_microbatch=args.tokens or args.max_tokens,
-            logprob_chunk_tokens=0 if args.unchunked else args.chunk,
-            pack_sequences=args.pack and not args.unchunked,
-            kl_coef=args.kl_coef,
-            seed=args.seed,
-        )
-        # Keys an older checkout lacks are dropped, so PYTHONPATH=<old checkout> measures its learner.
-        known = {f.name for f in dataclasses.fields(LearnerConfig)}
-        learner = Learner(LearnerConfig(**{k: v for k, v in kwargs.items() if k in known}))
+        cfg = RLConfig()
+        cfg.model.path, cfg.model.dtype = tmp, args.dtype
+        cfg.model.gradient_checkpointing = args.gradient_checkpointing
+        cfg.trainer.lr, cfg.trainer.seed = 1e-6, args.seed
+        cfg.trainer.max_tokens_per_microbatch = args.tokens or args.max_tokens
+        cfg.trainer.logprob_chunk_tokens = 0 if args.unchunked else args.chunk
+        cfg.trainer.pack_sequences = args.pack and not args.unchunked
+        cfg.algo.kl_coef = args.kl_coef
+        learner = Learner(cfg)
     acc = learner.accelerator
     n_params = sum(p.numel() for p in acc.unwrap_model(learner.model).parameters())
     if args.tokens:

@@ -3,7 +3,7 @@
 python scripts/config_table.py > /tmp/keys.md     # paste into README.md "Config keys"
 """
 
-from rlkit.config import field_docs
+from rlkit.config.schema import field_docs
 
 
 def main() -> None:

@@ -8,10 +8,14 @@ Results are float32 (float64 for float64 inputs) on the input's device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from rlkit.algos._common import as_bool_mask, as_float, check_groups, masked, safe_div
+from rlkit.algos.common import as_bool_mask, as_float, check_groups, masked, safe_div
+from rlkit.lookup import Registry
 
 __all__ = [
     "grpo",
@@ -24,6 +28,9 @@ __all__ = [
     "kl_shaped_rewards",
     "zero_std_groups",
     "overlong_penalty",
+    "AdvantageInputs",
+    "ESTIMATORS",
+    "estimate",
 ]
 
 
@@ -243,3 +250,71 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float 
         raise ValueError(f"penalty={penalty!r} is not valid; it must be >= 0")
     over = (lengths.float() - (max_len - buffer)).clamp(min=0) / buffer
     return -penalty * over.clamp(max=1.0)
+
+
+# -- the registry of estimators (algo.adv_estimator) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What a step hands every estimator (this rank's rows; groups contiguous)."""
+
+    rewards: Tensor
+    """[N] total reward of each sample."""
+    mask: Tensor
+    """[N, T] bool, the response tokens."""
+    group_size: int
+    kl: Tensor | None = None
+    """[N, T] per-token KL to the reference when it goes into the reward (`algo.kl_in_reward`), else None."""
+    kl_coef: float = 0.0
+    """The coefficient of `kl` in the token rewards."""
+    values: Tensor | None = None
+    """[N, T] critic values at rollout time (estimators registered with `needs_critic=True`)."""
+    global_sum: Callable[[Tensor], Tensor] | None = None
+    """Sums a tensor over ranks (batch-global statistics); None with one process."""
+
+    def token_rewards(self) -> Tensor:
+        """[N, T]: -kl_coef * kl on valid tokens plus each reward at its row's last valid token."""
+        kl = self.kl if self.kl is not None else torch.zeros(self.mask.shape, device=self.rewards.device)
+        return kl_shaped_rewards(
+            self.rewards, kl, self.mask, kl_coef=self.kl_coef if self.kl is not None else 0.0
+        )
+
+
+# Each entry: fn(inputs: AdvantageInputs, params) -> (advantages [N, T], returns [N, T] or None), `params`
+# being the algo config (norm_by_std, gamma, lam, ...). Properties the config rules read:
+#   group_based   the advantage compares the samples of a group (dynamic sampling filters groups for it)
+#   token_level   it takes token rewards (so the KL can go into the reward: algo.kl_in_reward)
+#   needs_critic  it needs a value model (algo.value_model=true)
+ESTIMATORS = Registry("algo.adv_estimator")
+
+
+@ESTIMATORS.register("grpo", group_based=True, token_level=False, needs_critic=False)
+def _grpo(inputs: AdvantageInputs, params) -> tuple[Tensor, None]:
+    seq = grpo(inputs.rewards, inputs.group_size, norm_by_std=params.norm_by_std)
+    return seq[:, None] * inputs.mask, None
+
+
+@ESTIMATORS.register("rloo", group_based=True, token_level=False, needs_critic=False)
+def _rloo(inputs: AdvantageInputs, params) -> tuple[Tensor, None]:
+    return rloo(inputs.rewards, inputs.group_size)[:, None] * inputs.mask, None
+
+
+@ESTIMATORS.register("reinforce_pp", group_based=False, token_level=True, needs_critic=False)
+def _reinforce_pp(inputs: AdvantageInputs, params) -> tuple[Tensor, None]:
+    # Whitened over the global batch: with several ranks every rank uses the moments summed over all ranks.
+    discounted = discounted_returns(inputs.token_rewards(), inputs.mask, gamma=params.gamma)
+    moments = None
+    if inputs.global_sum is not None:
+        moments = inputs.global_sum(masked_moments(discounted, inputs.mask))
+    return whiten(discounted, inputs.mask, moments=moments), None
+
+
+@ESTIMATORS.register("gae", group_based=False, token_level=True, needs_critic=True)
+def _gae(inputs: AdvantageInputs, params) -> tuple[Tensor, Tensor]:
+    return gae(inputs.token_rewards(), inputs.values, inputs.mask, gamma=params.gamma, lam=params.lam)
+
+
+def estimate(name: str, inputs: AdvantageInputs, params) -> tuple[Tensor, Tensor | None]:
+    """(advantages [N, T], returns [N, T] or None) of the registered estimator `name`."""
+    return ESTIMATORS.get_checked(name)(inputs, params)

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlkit.algos._common import EXP_CLAMP, as_bool_mask, as_float, check_choice, masked, safe_div
+from rlkit.algos.common import EXP_CLAMP, as_bool_mask, as_float, check_choice, masked, safe_div
 from rlkit.algos.kl import kl_estimate
 
 __all__ = [

@@ -16,11 +16,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlkit.algos._common import EXP_CLAMP, as_float, check_choice
+from rlkit.algos.common import EXP_CLAMP, as_float, check_choice
+from rlkit.lookup import Registry
 
-__all__ = ["KINDS", "kl_estimate"]
+__all__ = ["ESTIMATORS", "KINDS", "kl_estimate"]
 
-KINDS = ("k1", "abs", "k2", "k3")
+# Per-token KL estimators of d = logp - ref_logp (algo.kl_estimator, algo.rollout_kl_estimator).
+ESTIMATORS = Registry("algo.kl_estimator")
+ESTIMATORS.register("k1")(lambda d: d)
+ESTIMATORS.register("abs")(lambda d: d.abs())
+ESTIMATORS.register("k2")(lambda d: 0.5 * d.square())
+ESTIMATORS.register("k3")(lambda d: torch.exp((-d).clamp(-EXP_CLAMP, EXP_CLAMP)) + d - 1)
+KINDS = tuple(ESTIMATORS)
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
@@ -38,11 +45,4 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     if logp.shape != ref_logp.shape:
         raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}, expected {tuple(logp.shape)}")
     dtype = torch.promote_types(as_float(logp).dtype, as_float(ref_logp).dtype)
-    d = logp.to(dtype) - ref_logp.to(dtype)
-    if kind == "k1":
-        return d
-    if kind == "abs":
-        return d.abs()
-    if kind == "k2":
-        return 0.5 * d.square()
-    return torch.exp((-d).clamp(-EXP_CLAMP, EXP_CLAMP)) + d - 1
+    return ESTIMATORS[kind](logp.to(dtype) - ref_logp.to(dtype))

@@ -20,9 +20,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlkit.algos._common import EXP_CLAMP, as_bool_mask, as_float, check_choice, masked, safe_div
+from rlkit.algos.common import EXP_CLAMP, as_bool_mask, as_float, check_choice, masked, safe_div
+from rlkit.lookup import Registry
 
-__all__ = ["AGG_MODES", "ppo_clip", "gspo", "cispo", "value_loss", "aggregate"]
+__all__ = [
+    "AGG_MODES",
+    "POLICY_LOSSES",
+    "ppo_clip",
+    "gspo",
+    "cispo",
+    "value_loss",
+    "aggregate",
+    "policy_loss",
+]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # GSPO's sequence log-ratio is capped lower than a token's: it multiplies every token of the row.
@@ -287,3 +297,32 @@ def aggregate(
         row_values = safe_div(row_values, lengths)
     den = (lengths > 0).sum().to(dtype) if num_seqs is None else given(num_seqs)
     return safe_div(row_values.sum(), den)
+
+
+# -- the registry of policy losses (algo.policy_loss) ------------------------------------------------------
+# Each entry is called as fn(logp, old_logp, advantages, mask, params) with `params` the algo config
+# (clip_low, clip_high, dual_clip, ...) and returns (per_token_loss [N, T], metrics).
+POLICY_LOSSES = Registry("algo.policy_loss")
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def _ppo_clip(logp, old_logp, advantages, mask, params):
+    return ppo_clip(
+        logp, old_logp, advantages, mask, clip_low=params.clip_low, clip_high=params.clip_high,
+        dual_clip=params.dual_clip,
+    )  # fmt: skip
+
+
+@POLICY_LOSSES.register("gspo")
+def _gspo(logp, old_logp, advantages, mask, params):
+    return gspo(logp, old_logp, advantages, mask, clip_low=params.clip_low, clip_high=params.clip_high)
+
+
+@POLICY_LOSSES.register("cispo")
+def _cispo(logp, old_logp, advantages, mask, params):
+    return cispo(logp, old_logp, advantages, mask, clip_low=params.clip_low, clip_high=params.clip_high)
+
+
+def policy_loss(name: str, logp, old_logp, advantages, mask, params) -> tuple[Tensor, dict[str, Tensor]]:
+    """The registered policy loss `name` (see `POLICY_LOSSES`)."""
+    return POLICY_LOSSES.get_checked(name)(logp, old_logp, advantages, mask, params)

@@ -22,6 +22,11 @@ from __future__ import annotations
 
 import functools
 
+from rlkit.lookup import Registry, lookup
+
+# env.name: the built-in environments (an environment module registers its classes on import).
+ENVIRONMENTS = Registry("env.name")
+
 
 class Environment:
     """The protocol, with defaults: subclass it, or write any class with these members."""
@@ -42,6 +47,7 @@ class Environment:
         raise NotImplementedError
 
 
+@ENVIRONMENTS.register("single_turn")
 class SingleTurn(Environment):
     """The dataset's single-turn task: one model turn, then the reward functions judge it."""
 
@@ -49,17 +55,15 @@ class SingleTurn(Environment):
         return None, 0.0, True
 
 
-def _registry() -> dict[str, type]:
-    from rlkit.envs.calculator import Calculator
+def _registry() -> Registry:
+    import rlkit.envs.calculator  # noqa: F401  (registers `calculator`)
 
-    return {"single_turn": SingleTurn, "calculator": Calculator}
+    return ENVIRONMENTS
 
 
 @functools.cache
 def resolve_env(spec: str) -> type:
     """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
-    from rlkit.lookup import lookup
-
     return lookup(spec, _registry(), key="env.name", kind="Class")
 
 
@@ -85,4 +89,22 @@ def check_env_config(env, rollout) -> None:
         ) from e
 
 
-__all__ = ["Environment", "SingleTurn", "check_env_config", "make_env", "resolve_env"]
+def check_config(cfg) -> None:
+    """The `env.*` keys of an `RLConfig` (raises ConfigError before any model loads)."""
+    from rlkit.config.schema import ConfigError
+
+    try:
+        check_env_config(cfg.env, cfg.rollout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+__all__ = [
+    "ENVIRONMENTS",
+    "Environment",
+    "SingleTurn",
+    "check_config",
+    "check_env_config",
+    "make_env",
+    "resolve_env",
+]

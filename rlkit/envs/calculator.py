@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from rlkit.envs import Environment
+from rlkit.envs import ENVIRONMENTS, Environment
 
 MAX_CHARS = 200
 MAX_ABS = Fraction(10) ** 30
@@ -111,6 +111,7 @@ def format_number(v: Fraction) -> str:
 EXAMPLES = (("What is 12 * 34?", "12 * 34"), ("What is 250 * 19?", "250 * 19"))
 
 
+@ENVIRONMENTS.register("calculator")
 class Calculator(Environment):
     """A calculator tool: each model turn ending in `<calc>EXPR</calc>` gets `<result>VALUE</result>`
     back (an error message for a bad expression, as text the model can read); a turn without a call

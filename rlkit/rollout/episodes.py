@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rlkit.batch import RolloutBatch
 from rlkit.envs import make_env
-from rlkit.rollout.common import rows_to_batch
+from rlkit.rollout.engines.base import rows_to_batch
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def observation_ids(
 def check_multiturn_template(tokenizer, cfg, messages: list[dict]) -> None:
     """At start-up, before any model turn: an episode of several turns needs the chat template (to render
     observations) and a template that only appends (`observation_ids`); probe it on a training prompt."""
-    from rlkit.config import ConfigError
+    from rlkit.config.schema import ConfigError
 
     where = f"env.name={cfg.env.name!r} with env.max_turns={cfg.env.max_turns}"
     if cfg.data.template != "chat":

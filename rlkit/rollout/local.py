@@ -1,12 +1,12 @@
 """The rollout half of training in this process: prompts, engine, rewards, producer and eval.
 
 `trainer.mode=sync` uses one `LocalRollouts` per training rank (the engine colocated with the learner);
-`trainer.mode=async` runs one inside each rollout worker process (rlkit/rollout/remote.py). Both
+`trainer.mode=async` runs one inside each rollout worker process (rlkit/rollout/remote/). Both
 trainers talk to it through the same calls:
 
-    start(learner, step, evaluate)   the run begins (or resumes) at `step`
+    start(export, step, evaluate)    the run begins (or resumes) at `step`
     produce(step, timers)            -> ScoredBatch (rlkit/rollout/producer.py)
-    push(learner, version, evaluate) the learner's new weights reach the engine
+    push(export, version, evaluate)  the learner's new weights (an rlkit.weights.Export) reach the engine
     evaluate(version)                -> {"eval/pass@1": ...} of the engine's weights `version`
     checkpoint(directory) / load_checkpoint(directory, state)
 """
@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.rollout.producer import Producer, ScoredBatch, sampling_seed
+from rlkit.batch import ScoredBatch
+from rlkit.rollout.producer import Producer, sampling_seed
+from rlkit.weights import Export, push_weights
 
 
 class LocalRollouts:
     """Engine, prompts, reward scorer and producer of one rank (`rank` of `world` ranks that produce)."""
 
     def __init__(self, cfg, *, rank: int, world: int, device, tokenizer, reward_dtype=torch.float32):
-        from rlkit.data import PromptOrder, build_prompts, load_splits
+        from rlkit.data.loading import load_splits
+        from rlkit.data.prompts import PromptOrder, build_prompts
         from rlkit.rewards import RewardScorer
-        from rlkit.rollout import make_engine
+        from rlkit.rollout.engines import make_engine
 
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -37,7 +40,7 @@ class LocalRollouts:
             cfg.reward.extra,
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
-            also=["math"],
+            correct_threshold=cfg.reward.correct_threshold,
             route_by=cfg.reward.route_by,
             routes=cfg.reward.routes,
             batch_timeout_s=cfg.reward.batch_timeout_s,
@@ -53,7 +56,7 @@ class LocalRollouts:
         )
         reward_model = None
         if cfg.reward.model is not None:
-            from rlkit.reward_model import RewardModel
+            from rlkit.rewards.model import RewardModel
 
             reward_model = RewardModel(
                 cfg.reward.model, device=device, batch_size=cfg.reward.model_batch_size, dtype=reward_dtype
@@ -67,18 +70,16 @@ class LocalRollouts:
     def engine_name(self) -> str:
         return self.engine.name
 
-    def start(self, learner, step: int, *, evaluate: bool = False) -> None:
+    def start(self, export: Export, step: int, *, evaluate: bool = False) -> None:
         """A resumed run's engine was built from the initial weights: give it the checkpoint's."""
         if step > 0:
-            self.push(learner, step)
+            self.push(export, step)
 
     def produce(self, step: int, timers) -> ScoredBatch:
         return self.producer.produce(step, timers)
 
-    def push(self, learner, version: int, *, evaluate: bool = False) -> dict[str, float]:
-        from rlkit.weights import push_weights
-
-        return push_weights(learner, self.engine)
+    def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
+        return push_weights(export, self.engine)
 
     def evaluate(self, version: int) -> dict[str, float]:
         """pass@1 (and pass@k with rollout.eval_group_size = k > 1) on the held-out split; never masked.
@@ -101,10 +102,12 @@ class LocalRollouts:
             rb = episodes.rollout
             texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
             answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
-            correct = torch.tensor(
-                self.scorer.score(texts, list(rb.response_texts), answers, only=["math"]).per_fn["math"],
-                device=self.device,
+            rows = [self.eval_prompts.rows[i] for i in mine for _ in range(k)]
+            # The task's verdict: the main reward function's (rlkit.rewards.correct_when).
+            scores = self.scorer.score(
+                texts, list(rb.response_texts), answers, rows=rows, only=[self.scorer.main]
             )
+            correct = torch.tensor(scores.correct, device=self.device)
             correct = torch.where(episodes.failed.to(self.device), 0.0, correct)  # a failed episode scores 0
             per_prompt = correct.reshape(len(mine), k)
             sums = torch.stack(
@@ -133,7 +136,7 @@ class LocalRollouts:
     def load_checkpoint(self, directory, state: dict) -> None:
         from pathlib import Path
 
-        from rlkit.rollout.remote import PENDING_FILE
+        from rlkit.rundir import PENDING_FILE
 
         self.order.position = state["data_position"]
         if self.rank == 0 and (Path(directory) / PENDING_FILE).exists():
@@ -148,5 +151,9 @@ class LocalRollouts:
         self.scorer.close()
         try:
             self.engine.close()
-        except Exception:  # closing is best effort; the process is ending
-            pass
+        except Exception as e:  # closing is best effort (the process is ending), but never silent
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "closing the %s engine failed: %s: %s", self.engine.name, type(e).__name__, e
+            )

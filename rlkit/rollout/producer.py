@@ -21,93 +21,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlkit.batch import RolloutBatch
+from rlkit.batch import ScoredBatch
+from rlkit.rollout.scored import concat_rollouts, take_groups
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ScoredBatch:
-    """This rank's share of a step's scored groups (whole groups, contiguous)."""
-
-    rollout: RolloutBatch
-    rewards: Tensor
-    """[N] float32 total reward (weighted reward functions + overlong penalty): what advantages use."""
-    per_fn: dict[str, Tensor]
-    """[N] float32 per reward term: each reward function's raw value, and `overlong` when it is on."""
-    errors: int
-    """Reward calls that raised, hung or returned a non-number on this rank (all generation batches)."""
-    timeouts: int
-    """Of those, the ones that timed out."""
-    stats: dict[str, float]
-    """`dynamic/gen_batches`, `dynamic/kept_frac` (global, refill mode only)."""
-    policy_version: int
-    """The trainer step whose weights generated these samples."""
-    env_stats: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    """[N] float32 per episode: `turns`, `tool_calls` (logged as env/<name>, means per episode)."""
-    env_errors: int = 0
-    """Environment steps that raised or hung on this rank (their episodes score 0)."""
-    env_timeouts: int = 0
-    """Of those, the ones that timed out."""
 
 
 def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     """Generation seed as a pure function of (seed, step, rank): an exact resume needs no engine RNG state."""
     return (((seed * 1_000_003 + step) * 10_007 + rank) * 31 + salt) % (2**31 - 1)
-
-
-def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
-    """Stack RolloutBatches of the same group size: prompts re-padded on the left, responses on the right."""
-    P = max(b.prompt_ids.shape[1] for b in parts)
-    T = max(b.response_ids.shape[1] for b in parts)
-    # The pad id never matters (it is masked); reuse one from the padding when there is any.
-    pads = [b.prompt_ids[~b.prompt_mask] for b in parts]
-    pad_id = next((int(p[0]) for p in pads if p.numel()), 0)
-
-    def left(x, width, value):
-        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
-
-    def right(x, width, value):
-        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-    offsets = torch.tensor([0] + [b.num_samples // b.group_size for b in parts]).cumsum(0)
-    return RolloutBatch(
-        prompt_ids=torch.cat([left(b.prompt_ids, P, pad_id) for b in parts]),
-        prompt_mask=torch.cat([left(b.prompt_mask, P, False) for b in parts]),
-        response_ids=torch.cat([right(b.response_ids, T, pad_id) for b in parts]),
-        response_mask=torch.cat([right(b.response_mask, T, False) for b in parts]),
-        rollout_logprobs=torch.cat([right(b.rollout_logprobs, T, 0.0) for b in parts]),
-        finish_reasons=tuple(f for b in parts for f in b.finish_reasons),
-        group_index=torch.cat([b.group_index + off for b, off in zip(parts, offsets.tolist())]),
-        group_size=parts[0].group_size,
-        response_texts=tuple(t for b in parts for t in b.response_texts),
-        stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in ("gen_tokens", "gen_seconds")},
-    )
-
-
-def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
-    """The rows of groups `groups` (in that order), renumbered 0..len(groups)-1."""
-    G = rb.group_size
-    rows = [g * G + j for g in groups for j in range(G)]
-    idx = torch.tensor(rows, dtype=torch.long)
-    return RolloutBatch(
-        prompt_ids=rb.prompt_ids[idx],
-        prompt_mask=rb.prompt_mask[idx],
-        response_ids=rb.response_ids[idx],
-        response_mask=rb.response_mask[idx],
-        rollout_logprobs=rb.rollout_logprobs[idx],
-        finish_reasons=tuple(rb.finish_reasons[i] for i in rows),
-        group_index=torch.arange(len(rows)) // G,
-        group_size=G,
-        response_texts=tuple(rb.response_texts[i] for i in rows) if rb.response_texts else (),
-        stats={},
-    )
 
 
 def informative_groups(metric: Tensor, group_size: int) -> Tensor:
@@ -149,7 +76,7 @@ class Producer:
         self.reward_model = reward_model
         route_by = cfg.reward.route_by
         if route_by is not None and prompts.rows and route_by not in prompts.rows[0]:
-            from rlkit.config import ConfigError
+            from rlkit.config.schema import ConfigError
 
             raise ConfigError(
                 f"reward.route_by={route_by!r} is not a column of the training data: {sorted(prompts.rows[0])}"
@@ -164,7 +91,7 @@ class Producer:
     # -- generation ------------------------------------------------------------------------------
 
     def sampling(self, *, eval: bool = False):
-        from rlkit.rollout.base import Sampling
+        from rlkit.rollout.engines.base import Sampling
 
         r = self.cfg.rollout
         return Sampling(
@@ -284,9 +211,11 @@ class Producer:
             per_fn["env"] = eb.env_rewards
             rewards = torch.where(eb.failed, 0.0, rewards + eb.env_rewards)
             per_fn = {k: torch.where(eb.failed, 0.0, v) for k, v in per_fn.items()}
+            correct = torch.where(eb.failed, 0.0, torch.tensor(scores.correct, dtype=torch.float32))
         return {
             "rollout": rb,
             "rewards": rewards,
+            "correct": correct,
             "per_fn": per_fn,
             "errors": scores.errors,
             "timeouts": scores.timeouts,
@@ -308,7 +237,7 @@ class Producer:
         pieces, keep = [], []
         for b in range(a.max_gen_batches):
             piece = self._generate_and_score(step, b, timers)
-            metric = piece["rewards"] if a.filter_metric == "reward" else piece["per_fn"]["math"]
+            metric = piece["rewards"] if a.filter_metric == "reward" else piece["correct"]
             with timers("filter"):
                 keep.append(self._gather(informative_groups(metric, G)))
                 pieces.append(piece)
@@ -347,7 +276,7 @@ class Producer:
         if self.world > 1:
             shared = [None] * self.world
             dist.all_gather_object(shared, [dict(p, **counts) for p in pieces])
-        parts, rewards, per_fn = [], [], {k: [] for k in pieces[0]["per_fn"]}
+        parts, rewards, correct, per_fn = [], [], [], {k: [] for k in pieces[0]["per_fn"]}
         env_stats = {k: [] for k in pieces[0]["env_stats"]}
         for b, g in chosen:
             owner, local = divmod(g, ppr)
@@ -355,6 +284,7 @@ class Producer:
             parts.append(take_groups(piece["rollout"], [local]))
             rows = slice(local * self.group_size, (local + 1) * self.group_size)
             rewards.append(piece["rewards"][rows])
+            correct.append(piece["correct"][rows])
             for k in per_fn:
                 per_fn[k].append(piece["per_fn"][k][rows])
             for k in env_stats:
@@ -364,6 +294,7 @@ class Producer:
         return ScoredBatch(
             rollout=rb,
             rewards=torch.cat(rewards),
+            correct=torch.cat(correct),
             per_fn={k: torch.cat(v) for k, v in per_fn.items()},
             errors=errors,
             timeouts=timeouts,
@@ -384,50 +315,22 @@ class Producer:
         return torch.cat(out).cpu()
 
 
-def merge_scored(parts: list[ScoredBatch]) -> ScoredBatch:
-    """One ScoredBatch of several producers' shares (in rank order: the global prompt order).
-
-    Counters add up; `stats` (global already) and `policy_version` come from the first share.
-    """
-    first = parts[0]
-    rb = concat_rollouts([p.rollout for p in parts])  # sums gen_tokens / gen_seconds
-    return dataclasses.replace(
-        first,
-        rollout=rb,
-        rewards=torch.cat([p.rewards for p in parts]),
-        per_fn={k: torch.cat([p.per_fn[k] for p in parts]) for k in first.per_fn},
-        errors=sum(p.errors for p in parts),
-        timeouts=sum(p.timeouts for p in parts),
-        env_stats={k: torch.cat([p.env_stats[k] for p in parts]) for k in first.env_stats},
-        env_errors=sum(p.env_errors for p in parts),
-        env_timeouts=sum(p.env_timeouts for p in parts),
-    )
+DYNAMIC_SAMPLING = ("off", "refill")  # algo.dynamic_sampling
+FILTER_METRICS = ("reward", "accuracy")  # algo.filter_metric
 
 
-def split_scored(sb: ScoredBatch, n: int) -> list[ScoredBatch]:
-    """`n` equal shares of whole groups, in order (share r for training rank r).
+def check_config(cfg) -> None:
+    """`algo.dynamic_sampling` and `algo.filter_metric` (raises ConfigError)."""
+    from rlkit.algos.advantages import ESTIMATORS
+    from rlkit.config.rules import choice
+    from rlkit.config.schema import ConfigError
 
-    The counters and throughput stay with share 0, so summing them over ranks counts each once.
-    """
-    G = sb.rollout.group_size
-    groups = sb.rollout.num_samples // G
-    if groups % n:
-        raise ValueError(f"{groups} groups do not split evenly over {n} ranks")
-    per = groups // n
-    out = []
-    for r in range(n):
-        rows = slice(r * per * G, (r + 1) * per * G)
-        rb = take_groups(sb.rollout, list(range(r * per, (r + 1) * per)))
-        if r == 0:
-            rb.stats.update(sb.rollout.stats)
-        out.append(
-            dataclasses.replace(
-                sb,
-                rollout=rb,
-                rewards=sb.rewards[rows],
-                per_fn={k: v[rows] for k, v in sb.per_fn.items()},
-                env_stats={k: v[rows] for k, v in sb.env_stats.items()},
-                **({} if r == 0 else dict(errors=0, timeouts=0, env_errors=0, env_timeouts=0)),
-            )
+    a = cfg.algo
+    choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)
+    choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
+    grouped = ESTIMATORS.names(group_based=True)
+    if a.dynamic_sampling == "refill" and a.adv_estimator not in grouped:
+        raise ConfigError(
+            f"algo.dynamic_sampling='refill' filters groups by their spread: algo.adv_estimator="
+            f"{a.adv_estimator!r} is not one of {grouped}"
         )
-    return out

@@ -131,27 +131,30 @@ def full_batch_logprobs(model, batch, temperature: float, generated=None):
 
 
 def reference_loss(model, batch, cfg, generated=None):
-    """The configured loss on the whole batch in one piece (policy x IS + KL + rollout KL - entropy)."""
-    logp, entropy = full_batch_logprobs(model, batch, cfg.temperature, generated)
+    """The configured loss on the whole batch in one piece (policy x IS + KL + rollout KL - entropy); `cfg` is
+    an RLConfig (tests/cfg_helpers.py)."""
+    logp, entropy = full_batch_logprobs(model, batch, cfg.rollout.temperature, generated)
+    a = cfg.algo
     mask = batch.response_mask
     old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs
-    fn = {"ppo_clip": losses.ppo_clip, "gspo": losses.gspo, "cispo": losses.cispo}[cfg.policy_loss]
-    extra = {"dual_clip": cfg.dual_clip} if cfg.policy_loss == "ppo_clip" else {}
-    pg, _ = fn(logp, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, **extra)
+    fn = {"ppo_clip": losses.ppo_clip, "gspo": losses.gspo, "cispo": losses.cispo}[a.policy_loss]
+    extra = {"dual_clip": a.dual_clip} if a.policy_loss == "ppo_clip" else {}
+    pg, _ = fn(logp, old, batch.advantages, mask, clip_low=a.clip_low, clip_high=a.clip_high, **extra)
     if batch.is_weights is not None:
         pg = pg * batch.is_weights
+    norm_len = a.norm_len if a.norm_len is not None else cfg.rollout.max_new_tokens
 
     def agg(x):
-        return losses.aggregate(x, mask, cfg.loss_agg_mode, norm_len=cfg.norm_len)
+        return losses.aggregate(x, mask, a.loss_agg_mode, norm_len=norm_len)
 
     loss = agg(pg)
-    if cfg.kl_coef > 0:
-        loss = loss + cfg.kl_coef * agg(kl.kl_estimate(logp, batch.ref_logprobs, cfg.kl_estimator))
-    if cfg.rollout_kl_coef > 0:
-        rk = correction.rollout_kl(logp, batch.rollout_logprobs, kind=cfg.rollout_kl_estimator)
-        loss = loss + cfg.rollout_kl_coef * agg(rk)
-    if cfg.entropy_coef > 0:
-        loss = loss - cfg.entropy_coef * agg(entropy)
+    if a.kl_coef > 0:
+        loss = loss + a.kl_coef * agg(kl.kl_estimate(logp, batch.ref_logprobs, a.kl_estimator))
+    if a.rollout_kl_coef > 0:
+        rk = correction.rollout_kl(logp, batch.rollout_logprobs, kind=a.rollout_kl_estimator)
+        loss = loss + a.rollout_kl_coef * agg(rk)
+    if a.entropy_coef > 0:
+        loss = loss - a.entropy_coef * agg(entropy)
     return loss
 
 

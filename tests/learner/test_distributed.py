@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.multiprocessing as mp
+from cfg_helpers import learner_cfg
 from learner_helpers import (
     FULL_LOSS,
     RANK_ROWS,
@@ -22,7 +23,8 @@ from learner_helpers import (
     write_tiny_llama,
 )
 
-from rlkit.learner import AGG_MODES, Learner, LearnerConfig
+from rlkit.algos.losses import AGG_MODES
+from rlkit.learner import Learner
 
 
 def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -31,15 +33,16 @@ def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: 
     local = batch.select(RANK_ROWS[rank])
     results = {}
     for mode in AGG_MODES:
-        learner = Learner(LearnerConfig(model_path=model_dir, loss_agg_mode=mode, **FULL_LOSS))
+        learner = Learner(learner_cfg(model_path=model_dir, loss_agg_mode=mode, **FULL_LOSS))
         assert learner.world_size == 2
-        learner.compute_gradients(local)
-        results[mode] = {"grads": learner_grads(learner), "counts": list(learner.num_microbatches)}
+        learner.accumulate_gradients(local)
+        counts = [len(mb.micros) for mb in learner.plan(local, 1)]
+        results[mode] = {"grads": learner_grads(learner), "counts": counts}
     # One real update: metrics merged over micro-batches and ranks, and the weights after the step.
-    learner = Learner(LearnerConfig(model_path=model_dir, **FULL_LOSS))
+    learner = Learner(learner_cfg(model_path=model_dir, **FULL_LOSS))
     metrics = learner.update(local)
     results["update"] = {"metrics": metrics, "weights": dict(learner.named_weights())}
-    cfg = LearnerConfig(model_path=model_dir, **{**FULL_LOSS, **RESUME})
+    cfg = learner_cfg(model_path=model_dir, **{**FULL_LOSS, **RESUME})
     results["resume"] = {}
     four_steps_then_two_plus_two(lambda: Learner(cfg), rank, f"{out_dir}/ckpt", results["resume"])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -55,11 +58,11 @@ def ddp_results(tiny_model_dir, tmp_path_factory):
 
 def test_real_microbatch_counts_differ_between_ranks():
     """Guards the setup: without padding micro-batches the two ranks would run different counts."""
-    from rlkit.learner import _microbatches
+    from rlkit.learner.batching import microbatches
 
     _, batch = global_batch()
     counts = [
-        len(_microbatches(batch.select(RANK_ROWS[r]), FULL_LOSS["max_tokens_per_microbatch"])) for r in (0, 1)
+        len(microbatches(batch.select(RANK_ROWS[r]), FULL_LOSS["max_tokens_per_microbatch"])) for r in (0, 1)
     ]
     assert counts[0] >= 3 and counts[1] == 1
 
@@ -67,13 +70,13 @@ def test_real_microbatch_counts_differ_between_ranks():
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_two_process_gradient_equals_full_batch_gradient(ddp_results, tiny_model_dir, mode):
     generated, batch = global_batch()
-    cfg = LearnerConfig(model_path=tiny_model_dir, loss_agg_mode=mode, **FULL_LOSS)
+    cfg = learner_cfg(model_path=tiny_model_dir, loss_agg_mode=mode, **FULL_LOSS)
     expected = reference_grads(tiny_model_dir, batch, cfg, generated.response_mask)
     for rank in (0, 1):
         assert_grads_close(ddp_results[rank][mode]["grads"], expected)
 
 
-def test_every_rank_runs_the_same_number_of_microbatches(ddp_results):
+def test_every_rank_runs_the_same_number_ofmicrobatches(ddp_results):
     counts = [ddp_results[r]["token-mean"]["counts"] for r in (0, 1)]
     assert counts[0] == counts[1] and counts[0][0] >= 3
 
@@ -81,7 +84,7 @@ def test_every_rank_runs_the_same_number_of_microbatches(ddp_results):
 def test_padding_microbatches_do_not_dilute_metrics(ddp_results, tiny_model_dir):
     """The merged 2-rank metrics (rank 1 runs padding micro-batches) equal a 1-process full-batch update."""
     _, batch = global_batch()
-    single = Learner(LearnerConfig(model_path=tiny_model_dir, **FULL_LOSS))
+    single = Learner(learner_cfg(model_path=tiny_model_dir, **FULL_LOSS))
     expected = single.update(batch)
     got = ddp_results[0]["update"]["metrics"]
     assert got.keys() == expected.keys()
@@ -101,10 +104,10 @@ def test_four_steps_equal_two_plus_resume_plus_two_under_ddp(ddp_results):
 
 
 def test_padding_microbatch_carries_every_field_with_mask_zero():
-    from rlkit.learner import _padding_micro
+    from rlkit.learner.batching import padding_micro
 
     _, batch = global_batch()
-    pad = _padding_micro(batch)
+    pad = padding_micro(batch)
     assert pad.padding
     fields = pad.batch.tensor_fields()
     assert fields.keys() == batch.tensor_fields().keys()
@@ -124,7 +127,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from rlkit.learner import iter_full_parameters
+    from rlkit.weights import iter_full_parameters
 
     init_worker_env(rank, world_size, port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

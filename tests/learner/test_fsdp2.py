@@ -13,11 +13,10 @@ gradient to 15% (measured here: 3-8%); a lost rank's contribution or a doubled g
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+from cfg_helpers import learner_cfg
 from learner_helpers import (
     FULL_LOSS,
     RANK_ROWS,
@@ -34,7 +33,8 @@ from learner_helpers import (
     step_batches,
 )
 
-from rlkit.learner import AGG_MODES, Learner, LearnerConfig
+from rlkit.algos.losses import AGG_MODES
+from rlkit.learner import Learner
 
 DTYPES = ("float32", "bfloat16")
 # Relative error in norm allowed per tensor / per vector (see the module docstring).
@@ -61,7 +61,7 @@ def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
     init_worker_env(rank, world, port)
 
     def cfg(**kw):
-        return LearnerConfig(model_path=model_dir, **{**FULL_LOSS, "strategy": "fsdp2", "dtype": dtype, **kw})
+        return learner_cfg(model_path=model_dir, **{**FULL_LOSS, "strategy": "fsdp2", "dtype": dtype, **kw})
 
     out = {}
     _, batch = global_batch()
@@ -71,10 +71,10 @@ def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
         learner = Learner(cfg(loss_agg_mode=mode))
         assert learner.accelerator.is_fsdp2 and learner.world_size == 2
         assert all(isinstance(p, DTensor) for p in learner.model.parameters())
-        learner.compute_gradients(mine)
+        learner.accumulate_gradients(mine)
         out[mode] = full_grads(learner)
     learner = Learner(cfg(gradient_checkpointing=True))
-    learner.compute_gradients(mine)
+    learner.accumulate_gradients(mine)
     out["checkpointing"] = full_grads(learner)
 
     straight = four_steps_then_two_plus_two(lambda: Learner(cfg(**RESUME)), rank, f"{out_dir}/ckpt", out)
@@ -99,11 +99,11 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
     from rlkit.algos.correction import mismatch_metrics
     from rlkit.batch import TrainBatch
     from rlkit.models import load_tokenizer
-    from rlkit.rollout.base import Sampling
-    from rlkit.rollout.hf import HFEngine
+    from rlkit.rollout.engines.base import Sampling
+    from rlkit.rollout.engines.hf import HFEngine
     from rlkit.weights import push_weights
 
-    learner = Learner(LearnerConfig(model_path=tok_dir, dtype=dtype, strategy="fsdp2", lr=1e-2))
+    learner = Learner(learner_cfg(model_path=tok_dir, dtype=dtype, strategy="fsdp2", lr=1e-2))
     tokenizer = load_tokenizer(tok_dir)
     engine = HFEngine(tok_dir, tokenizer, dtype=torch.float32, device="cpu", seed=rank)
     prompts = [tokenizer.encode("What is 2 + 3?"), tokenizer.encode("Name a colour.")]
@@ -125,7 +125,7 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
         return mismatch_metrics(scored, rollout.rollout_logprobs, rollout.response_mask)["mismatch/kl"]
 
     before = kl(rb)  # the learner moved, the engine did not
-    push_weights(learner, engine)
+    push_weights(learner.export(), engine)
     return {"before": before, "after": kl(engine.generate(prompts, 2, sampling))}
 
 
@@ -168,7 +168,7 @@ def global_rel_error(got: dict, expected: dict) -> float:
 def test_gradient_equals_single_process_full_batch_gradient(fsdp2, tiny_model_dir, mode):
     dtype, ranks, _ = fsdp2
     generated, batch = global_batch()
-    cfg = LearnerConfig(model_path=tiny_model_dir, loss_agg_mode=mode, **FULL_LOSS)
+    cfg = learner_cfg(model_path=tiny_model_dir, loss_agg_mode=mode, **FULL_LOSS)
     expected = reference_grads(tiny_model_dir, batch, cfg, generated.response_mask)
     if dtype == "float32":
         for r in ranks:
@@ -195,7 +195,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(fsdp2):
 @pytest.fixture(scope="module")
 def single_process_run(tiny_model_dir):
     """The 4-step run in one process (no wrapper, fp32, full global batches): the reference."""
-    learner = Learner(LearnerConfig(model_path=tiny_model_dir, **{**FULL_LOSS, **RESUME}))
+    learner = Learner(learner_cfg(model_path=tiny_model_dir, **{**FULL_LOSS, **RESUME}))
     assert not learner.accelerator.is_fsdp2
     metrics = [learner.update(b) for b in step_batches()]
     return metrics, dict(learner.named_weights())
@@ -249,7 +249,7 @@ def test_sharded_reference_and_critic_score_like_unsharded_models(fsdp2, tiny_mo
     dtype, ranks, _ = fsdp2
     generated, batch = global_batch()
     reference = load_fp32(tiny_model_dir)  # the initial policy, unsharded, plain transformers
-    critic = Learner(LearnerConfig(model_path=tiny_model_dir, dtype="float32", value_model=True))
+    critic = Learner(learner_cfg(model_path=tiny_model_dir, dtype="float32", value_model=True))
     for rank, r in enumerate(ranks):
         mine = local_rows(batch, rank)
         mask = mine.response_mask
@@ -273,11 +273,12 @@ def test_weight_push_from_sharded_learner_gives_zero_mismatch(fsdp2):
 
 
 def test_strategy_validation_names_key_value_and_choices(tmp_path):
-    from rlkit.config import ConfigError, load_config
-    from rlkit.learner import resolve_strategy
+    from rlkit.config.schema import ConfigError
+    from rlkit.learner.strategy import resolve_strategy
+    from rlkit.train import load_config
 
     with pytest.raises(ValueError, match=r"trainer.strategy='zero3' is not valid; choose one of \['auto'"):
-        LearnerConfig(strategy="zero3")
+        resolve_strategy("zero3", cuda=False, world_size=2)
     with pytest.raises(
         ConfigError, match=r"trainer.strategy='zero3' is not one of \['auto', 'fsdp2', 'ddp'\]"
     ):
@@ -286,4 +287,3 @@ def test_strategy_validation_names_key_value_and_choices(tmp_path):
     assert resolve_strategy("auto", cuda=False, world_size=2) == "ddp"
     assert resolve_strategy("fsdp2", cuda=False, world_size=2) == "fsdp2"
     assert resolve_strategy("fsdp2", cuda=False, world_size=1) == "none"
-    assert dataclasses.replace(LearnerConfig(), strategy="ddp").strategy == "ddp"

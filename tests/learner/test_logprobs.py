@@ -1,4 +1,4 @@
-"""Chunked log-probs / entropy (rlkit.logprobs) and padding-free packing in the learner.
+"""Chunked log-probs / entropy (rlkit.learner.logprobs) and padding-free packing in the learner.
 
 References are independent: transformers' own top-k / top-p warpers and torch.log_softmax with
 autograd over the full logits, per-sample forward passes, and the learner's padded, unchunked path.
@@ -10,11 +10,13 @@ import dataclasses
 
 import pytest
 import torch
+from cfg_helpers import learner_cfg
 from learner_helpers import learner_grads, make_batch
 from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-from rlkit.learner import Learner, LearnerConfig, _microbatches, _model_inputs
-from rlkit.logprobs import chunked_logprobs, truncation_mask
+from rlkit.learner import Learner
+from rlkit.learner.batching import microbatches, model_inputs
+from rlkit.learner.logprobs import chunked_logprobs, truncation_mask
 
 TRUNCATIONS = [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.6)]
 
@@ -81,9 +83,9 @@ def test_entropy_is_a_constant_unless_asked_for():
 # -- the learner: packed / padded x chunked / unchunked ------------------------------------------------
 
 
-def cfg(path, **kw) -> LearnerConfig:
+def cfg(path, **kw):
     base = dict(model_path=path, dtype="float32", lr=1e-3, max_grad_norm=None, seed=0)
-    return LearnerConfig(**{**base, **kw})
+    return learner_cfg(**{**base, **kw})
 
 
 LOSS = dict(kl_coef=0.1, rollout_kl_coef=0.05, entropy_coef=0.01, clip_high=0.28)
@@ -106,8 +108,9 @@ def variant_results(tiny_model_dir):
         for trunc in [dict(), dict(top_k=20, top_p=0.8, temperature=0.8)]:
             learner = Learner(cfg(tiny_model_dir, max_tokens_per_microbatch=40, **LOSS, **kw, **trunc))
             scored = learner.forward(batch)
-            learner.compute_gradients(batch)
-            out[name, bool(trunc)] = (scored, learner_grads(learner), list(learner.num_microbatches))
+            learner.accumulate_gradients(batch)
+            counts = [len(mb.micros) for mb in learner.plan(batch, 1)]
+            out[name, bool(trunc)] = (scored, learner_grads(learner), counts)
     return out
 
 
@@ -130,21 +133,21 @@ def test_truncation_changes_logprobs_and_never_gives_minus_inf(variant_results):
 
 def test_packed_budget_counts_real_tokens():
     batch = make_batch(n=6, prompt_width=10, response_width=10, prompt_lens=[2] * 6, response_lens=[3] * 6)
-    real = [sum(p + r for p, r in m.lens) for m in _microbatches(batch, 10, packed=True)]
+    real = [sum(p + r for p, r in m.lens) for m in microbatches(batch, 10, packed=True)]
     assert real == [10, 10, 10]  # 2 rows of 5 real tokens each, no padding counted
-    assert len(_microbatches(batch, 10, packed=False)) == 3  # padded width 5 too: same here
+    assert len(microbatches(batch, 10, packed=False)) == 3  # padded width 5 too: same here
     # A long prompt and a long response: 10 + 10 real tokens, but padded 2 x (9 + 9).
     ragged = make_batch(n=2, prompt_width=10, response_width=10, prompt_lens=[9, 1], response_lens=[1, 9])
-    assert len(_microbatches(ragged, 20, packed=True)) == 1
-    assert len(_microbatches(ragged, 20, packed=False)) == 2
+    assert len(microbatches(ragged, 20, packed=True)) == 1
+    assert len(microbatches(ragged, 20, packed=False)) == 2
 
 
 def test_packed_inputs_restart_positions_and_hold_only_real_tokens():
     plens, rlens = [2, 4, 1], [3, 1, 2]
     batch = make_batch(n=3, prompt_width=6, response_width=5, prompt_lens=plens, response_lens=rlens)
-    (m,) = _microbatches(batch, 100, packed=True)
+    (m,) = microbatches(batch, 100, packed=True)
     assert m.rows.tolist() == [0, 1, 2]
-    inp = _model_inputs(m, packed=True, device="cpu")
+    inp = model_inputs(m, packed=True, device="cpu")
     ids = [
         batch.prompt_ids[i, -p:].tolist() + batch.response_ids[i, :r].tolist()
         for i, (p, r) in enumerate(zip(plens, rlens))

@@ -9,10 +9,11 @@ import copy
 
 import pytest
 import torch
+from cfg_helpers import learner_cfg
 from learner_helpers import make_batch
 from transformers import AutoModelForCausalLM
 
-from rlkit.learner import Learner, LearnerConfig
+from rlkit.learner import Learner
 from rlkit.weights import push_weights
 
 RANK, ALPHA = 4, 8.0
@@ -20,14 +21,14 @@ RANK, ALPHA = 4, 8.0
 
 def _cfg(path, **kw):
     base = dict(model_path=path, dtype="float32", lr=5e-2, lora_rank=RANK, lora_alpha=ALPHA)
-    return LearnerConfig(**{**base, **kw})
+    return learner_cfg(**{**base, **kw})
 
 
 def _update(learner, seed=0):
     batch = make_batch(all_fields=False, seed=seed)
     g = torch.Generator().manual_seed(seed)
     fields = {**batch.tensor_fields(), "advantages": torch.randn(batch.advantages.shape, generator=g)}
-    if learner.cfg.kl_coef > 0:  # the KL loss term, against the reference (here: adapters off)
+    if learner.kl_coef > 0:  # the KL loss term, against the reference (here: adapters off)
         fields["ref_logprobs"] = learner.forward(batch, policy=False, ref=True).ref_logprobs
     return learner.update(type(batch)(**fields))
 
@@ -71,7 +72,7 @@ def test_only_adapters_train_and_hold_optimizer_state(tiny_model_dir, trained):
     lora_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state_numel = sum(t.numel() for s in state.values() for t in s.values() if t.dim() > 0)
     assert state_numel == 2 * lora_numel  # Adam's two moments
-    full = Learner(LearnerConfig(model_path=tiny_model_dir, dtype="float32", lr=5e-2))
+    full = Learner(learner_cfg(model_path=tiny_model_dir, dtype="float32", lr=5e-2))
     _update(full)
     full_numel = sum(
         t.numel() for s in full.optimizer.state_dict()["state"].values() for t in s.values() if t.dim() > 0
@@ -101,7 +102,7 @@ def test_pushed_weights_are_the_merged_model_and_the_engine_scores_like_it(tiny_
             self.received = {n: t.clone() for n, t in named}
 
     engine = Recording()
-    push_weights(trained, engine)
+    push_weights(trained.export(), engine)
     model = trained.accelerator.unwrap_model(trained.model)
     merged = copy.deepcopy(model).merge_and_unload()  # peft's own merge, on a copy
     expected = dict(merged.named_parameters())

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cfg_helpers import learner_cfg
 from learner_helpers import make_batch
 
-from rlkit.learner import Learner, LearnerConfig
+from rlkit.learner import Learner
 from rlkit.weights import push_weights
 
 
@@ -23,10 +24,10 @@ class RecordingEngine:
 
 
 def test_push_weights_streams_every_tensor_with_stats(tiny_model_dir):
-    learner = Learner(LearnerConfig(model_path=tiny_model_dir, dtype="float32", lr=1e-2))
+    learner = Learner(learner_cfg(model_path=tiny_model_dir, dtype="float32", lr=1e-2))
     learner.update(make_batch(all_fields=False))
     engine = RecordingEngine()
-    stats = push_weights(learner, engine, dtype=torch.bfloat16)
+    stats = push_weights(learner.export(), engine, dtype=torch.bfloat16)
 
     model = learner.accelerator.unwrap_model(learner.model)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as the embedding
@@ -51,12 +52,12 @@ def tokenizer_model_dir(tmp_path_factory):
 
 def test_push_into_hf_engine_then_engine_and_learner_logprobs_agree(tokenizer_model_dir):
     """DESIGN invariant: right after a push (fp32), engine log-probs equal the learner's (mismatch ~ 0)."""
-    hf = pytest.importorskip("rlkit.rollout.hf")
+    hf = pytest.importorskip("rlkit.rollout.engines.hf")
     from rlkit.models import load_tokenizer
-    from rlkit.rollout.base import Sampling
+    from rlkit.rollout.engines.base import Sampling
 
     temperature = 0.8
-    cfg = LearnerConfig(model_path=tokenizer_model_dir, dtype="float32", lr=1e-2, temperature=temperature)
+    cfg = learner_cfg(model_path=tokenizer_model_dir, dtype="float32", lr=1e-2, temperature=temperature)
     learner = Learner(cfg)
     tokenizer = load_tokenizer(tokenizer_model_dir)
     engine = hf.HFEngine(tokenizer_model_dir, tokenizer, dtype=torch.float32, device="cpu", seed=0)
@@ -77,7 +78,7 @@ def test_push_into_hf_engine_then_engine_and_learner_logprobs_agree(tokenizer_mo
     mask = rb.response_mask
     assert (before - rb.rollout_logprobs)[mask].abs().max() > 1e-3
 
-    push_weights(learner, engine)
+    push_weights(learner.export(), engine)
     mine = learner.accelerator.unwrap_model(learner.model).state_dict()
     theirs = engine.model.state_dict()
     for k, v in mine.items():
@@ -96,10 +97,10 @@ def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
     """Issue 9 item 5: under top-p / top-k the engine reports log-probs renormalised over the kept
     tokens; the learner, told the same truncation, replays it and agrees (no false weight-sync
     alarm). Scoring the full distribution instead is off by log(kept mass), the false alarm."""
-    hf = pytest.importorskip("rlkit.rollout.hf")
+    hf = pytest.importorskip("rlkit.rollout.engines.hf")
     from rlkit.algos.correction import mismatch_metrics
     from rlkit.models import load_tokenizer
-    from rlkit.rollout.base import Sampling
+    from rlkit.rollout.engines.base import Sampling
 
     temperature = 0.8
     tokenizer = load_tokenizer(tokenizer_model_dir)
@@ -111,7 +112,7 @@ def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
     mask = rb.response_mask
 
     def scored(**kw):
-        cfg = LearnerConfig(model_path=tokenizer_model_dir, dtype="float32", temperature=temperature, **kw)
+        cfg = learner_cfg(model_path=tokenizer_model_dir, dtype="float32", temperature=temperature, **kw)
         return Learner(cfg).forward(rb).logprobs
 
     replayed = scored(**truncation)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint
-from rlkit.rollout.base import Sampling
-from rlkit.rollout.hf import HFEngine
+from rlkit.rollout.engines.base import Sampling
+from rlkit.rollout.engines.hf import HFEngine
 
 EOS = 2  # SmolLM2's <|im_end|>, also its pad token
 

@@ -2,9 +2,9 @@ import logging
 
 import pytest
 
-from rlkit.rollout import make_engine
-from rlkit.rollout.base import RolloutEngine
-from rlkit.rollout.hf import HFEngine
+from rlkit.rollout.engines import make_engine
+from rlkit.rollout.engines.base import RolloutEngine
+from rlkit.rollout.engines.hf import HFEngine
 
 
 def test_auto_picks_hf_and_logs_why_when_vllm_cannot_run_the_model(tiny_ckpt, caplog):
@@ -23,7 +23,7 @@ def test_auto_picks_hf_and_logs_why_when_vllm_cannot_run_the_model(tiny_ckpt, ca
 def test_auto_would_pick_vllm_for_a_supported_model(tmp_path):
     pytest.importorskip("vllm", exc_type=ImportError)
     from rlkit.models import make_tiny_checkpoint
-    from rlkit.rollout import vllm_usable
+    from rlkit.rollout.engines import vllm_usable
 
     ckpt = make_tiny_checkpoint(tmp_path, hidden_size=128, num_layers=1)
     usable, why = vllm_usable(ckpt)

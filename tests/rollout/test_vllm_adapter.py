@@ -11,8 +11,8 @@ vllm = pytest.importorskip("vllm", exc_type=ImportError)
 from vllm.logprobs import FlatLogprobs, Logprob  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
-from rlkit.rollout.base import Sampling  # noqa: E402
-from rlkit.rollout.vllm import request_outputs_to_batch, sampling_params_from, vllm_weight_name  # noqa: E402
+from rlkit.rollout.engines.base import Sampling  # noqa: E402
+from rlkit.rollout.engines.vllm import request_outputs_to_batch, sampling_params_from, vllm_weight_name  # noqa: E402
 
 PAD, EOS = 0, 2
 
@@ -123,5 +123,5 @@ def test_weight_names_are_transformers_names_minus_wrappers():
 
 
 def test_importing_rlkit_rollout_does_not_import_vllm():
-    code = "import sys, rlkit.rollout, rlkit.rollout.hf; assert 'vllm' not in sys.modules, 'vllm imported'"
+    code = "import sys, rlkit.rollout, rlkit.rollout.engines.hf; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("vllm", exc_type=ImportError)
 
 from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint  # noqa: E402
-from rlkit.rollout.base import Sampling  # noqa: E402
+from rlkit.rollout.engines.base import Sampling  # noqa: E402
 from rlkit.weights import WeightManifestError, module_manifest  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module", params=["tied", "untied"])
 def case(request, ckpts):
     """(name, checkpoint, engine, (environment before the engine was built, right after))."""
-    from rlkit.rollout.vllm import VLLMEngine
+    from rlkit.rollout.engines.vllm import VLLMEngine
 
     env = dict(os.environ)
     engine = VLLMEngine(ckpts[request.param], dtype="float32", seed=0, kv_cache_gib=0.25, max_model_len=512)

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", exc_type=ImportError)
 
-from rlkit.config import REPO_ROOT  # noqa: E402
+from rlkit.config.schema import REPO_ROOT  # noqa: E402
 
 TRAINER_TESTS = REPO_ROOT / "tests" / "trainer"  # rlkit_test_rewards lives there
 KEYS = ["reward/mean", "loss/total", "grad_norm", "rollout/entropy", "mismatch/kl", "response_length/mean"]

@@ -2,8 +2,10 @@ import json
 
 import pytest
 
-from rlkit.config import DataConfig
-from rlkit.data import PromptOrder, build_prompts, generate_arithmetic, load_splits, render_prompt
+from rlkit.config.schema import DataConfig
+from rlkit.data.arithmetic import generate_arithmetic
+from rlkit.data.loading import load_splits
+from rlkit.data.prompts import PromptOrder, build_prompts, render_prompt
 from rlkit.rewards import extract_gsm8k_answer
 
 
@@ -109,7 +111,7 @@ def test_arithmetic_kinds_select_problem_types(tmp_path):
 def test_harder_arithmetic_kinds_are_right_and_within_their_ranges(tmp_path, kind, numbers, result):
     import re
 
-    from rlkit.config_checks import ARITHMETIC_SIZES
+    from rlkit.data.arithmetic import KINDS
 
     d = generate_arithmetic(tmp_path / kind, num_train=300, num_eval=20, seed=1, kinds=(kind,))
     rows = [
@@ -134,7 +136,7 @@ def test_harder_arithmetic_kinds_are_right_and_within_their_ranges(tmp_path, kin
         "plain_add3": 20**3,
         "story_two_step": 30 * sum(a + b for a in range(1, 21) for b in range(1, 21)),
     }
-    assert ARITHMETIC_SIZES[kind] == by_hand[kind]
+    assert KINDS[kind].size == by_hand[kind]
 
 
 # ------------------------------------------------------------------------------------------ bad data
@@ -147,7 +149,7 @@ def _rows(n: int, start: int = 0) -> str:
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
-    from rlkit.data import DataError
+    from rlkit.data.loading import DataError
 
     f = tmp_path / "bad.jsonl"
     f.write_text(_rows(3) + '{"question": "q3" "answer": "#### 3"}\n' + _rows(5, 4))  # line 4 lacks a comma
@@ -163,7 +165,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
 
 
 def test_empty_file_names_the_file(tmp_path):
-    from rlkit.data import DataError
+    from rlkit.data.loading import DataError
 
     for text in ("", "\n  \n"):
         f = tmp_path / "empty.jsonl"
@@ -180,7 +182,7 @@ def test_empty_file_names_the_file(tmp_path):
 
 
 def test_non_utf8_byte_names_file_line_and_byte(tmp_path):
-    from rlkit.data import DataError
+    from rlkit.data.loading import DataError
 
     f = tmp_path / "latin1.jsonl"
     f.write_bytes(_rows(2).encode() + '{"question": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
@@ -191,7 +193,7 @@ def test_non_utf8_byte_names_file_line_and_byte(tmp_path):
 
 
 def test_eval_size_holding_out_every_row_names_the_key(tmp_path):
-    from rlkit.data import DataError
+    from rlkit.data.loading import DataError
 
     f = tmp_path / "five.jsonl"
     f.write_text(_rows(5))
@@ -203,7 +205,7 @@ def test_eval_size_holding_out_every_row_names_the_key(tmp_path):
 
 
 def test_null_or_empty_prompt_and_answer_are_skipped_counted_and_logged(tmp_path, caplog):
-    from rlkit.data import DataError
+    from rlkit.data.loading import DataError
 
     f = tmp_path / "nulls.jsonl"
     lines = [
@@ -230,7 +232,7 @@ def test_null_or_empty_prompt_and_answer_are_skipped_counted_and_logged(tmp_path
 
 
 def test_unreadable_csv_names_the_file(tmp_path):
-    from rlkit.data import DataError
+    from rlkit.data.loading import DataError
 
     f = tmp_path / "empty.csv"
     f.write_text("")

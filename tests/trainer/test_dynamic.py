@@ -12,11 +12,11 @@ import torch
 from test_e2e import overrides, tiny, train  # noqa: F401  (tiny: the shared model fixture)
 
 from rlkit.algos.advantages import overlong_penalty
-from rlkit.config import load_config
-from rlkit.data import PromptOrder
+from rlkit.data.prompts import PromptOrder
 from rlkit.rollout.producer import informative_groups, select_groups
-from rlkit.train import compose
-from rlkit.trainer import Trainer, latest_checkpoint
+from rlkit.rundir import latest_checkpoint
+from rlkit.train import compose, load_config
+from rlkit.trainer import Trainer
 
 REFILL = ["algo.dynamic_sampling=refill", "algo.filter_metric=reward", "reward.fn=rlkit_test_rewards:parity"]
 
@@ -167,7 +167,7 @@ def test_refill_two_processes_equal_one(tiny, tmp_path):
     groups 1 rank trains on (per-prompt seeds make the samples independent of the rank count)."""
     from test_e2e import _launch, read_jsonl
 
-    from rlkit.config import REPO_ROOT
+    from rlkit.config.schema import REPO_ROOT
 
     def args(run_dir, *extra):
         common = overrides(tiny, run_dir, "rollout.seed_per_prompt=true", *REFILL, "algo.max_gen_batches=3")

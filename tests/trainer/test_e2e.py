@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit.config import REPO_ROOT, load_config
-from rlkit.train import compose
-from rlkit.trainer import latest_checkpoint, run
+from rlkit.config.schema import REPO_ROOT
+from rlkit.rundir import latest_checkpoint
+from rlkit.train import compose, load_config
+from rlkit.trainer import run
 
 HERE = Path(__file__).resolve().parent
 
@@ -450,16 +451,16 @@ def test_lora_run_passes_the_sync_checks_resumes_exactly_and_saves_adapter_and_m
 
 
 def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkeypatch):
-    import rlkit.lora
+    import rlkit.learner.lora
     from rlkit.trainer import WeightSyncError
 
     def base_only(named, *, scale):  # the bug peers shipped: the adapter never reaches the engine
         for name, tensor in named:
-            base = rlkit.lora.base_name(name)
+            base = rlkit.learner.lora.base_name(name)
             if base is not None:
                 yield base, tensor
 
-    monkeypatch.setattr(rlkit.lora, "merged_weights", base_only)
+    monkeypatch.setattr(rlkit.learner.lora, "merged_weights", base_only)
     with pytest.raises(WeightSyncError, match="after the first weight push"):
         train(tiny, tmp_path / "w", *LORA, "trainer.lr=0.05")
 

@@ -9,14 +9,14 @@ import time
 
 import pytest
 import torch
+from cfg_helpers import learner_cfg
 from rlkit_test_envs import Chatty
 
 from rlkit.batch import RolloutBatch
 from rlkit.envs import make_env, resolve_env
 from rlkit.envs.calculator import CalcError, evaluate, format_number
 from rlkit.models import load_tokenizer, make_tiny_checkpoint
-from rlkit.rollout.base import Sampling
-from rlkit.rollout.common import rows_to_batch
+from rlkit.rollout.engines.base import Sampling, rows_to_batch
 from rlkit.rollout.episodes import run_episodes, step_all
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -215,8 +215,8 @@ def test_failing_and_hanging_steps_are_counted():
 
 
 def test_multi_turn_logprobs_equal_learner_recomputation_and_observations_are_masked(tiny_dir, tok):
-    from rlkit.learner import Learner, LearnerConfig
-    from rlkit.rollout.hf import HFEngine
+    from rlkit.learner import Learner
+    from rlkit.rollout.engines.hf import HFEngine
 
     engine = HFEngine(tiny_dir, seed=0)
     questions = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What is 2 + 2? Think."}]]
@@ -258,7 +258,7 @@ def test_multi_turn_logprobs_equal_learner_recomputation_and_observations_are_ma
             t = end
         assert rb.rollout_logprobs[row][~rb.response_mask[row]].eq(0).all()
     assert holes == int((out.stats["turns"] - 1).sum())
-    learner = Learner(LearnerConfig(model_path=tiny_dir, dtype="float32", temperature=temperature, seed=0))
+    learner = Learner(learner_cfg(model_path=tiny_dir, dtype="float32", temperature=temperature, seed=0))
     logp = learner.forward(rb).logprobs
     m = rb.response_mask
     assert (rb.rollout_logprobs[m] < 0).all()
@@ -268,9 +268,9 @@ def test_multi_turn_logprobs_equal_learner_recomputation_and_observations_are_ma
 def test_multiturn_start_up_check_of_the_chat_template(tok):
     import copy
 
-    from rlkit.config import ConfigError, load_config
+    from rlkit.config.schema import ConfigError
     from rlkit.rollout.episodes import check_multiturn_template
-    from rlkit.train import compose
+    from rlkit.train import compose, load_config
 
     cfg = load_config(compose(["+recipe=calculator", "model.path=tiny-test"]))
     question = [{"role": "user", "content": "What is 2 * 3?"}]

@@ -10,8 +10,8 @@ import torch
 from test_e2e import HERE, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
 
 from rlkit.collectives import free_port
-from rlkit.config import REPO_ROOT
-from rlkit.trainer import latest_checkpoint
+from rlkit.config.schema import REPO_ROOT
+from rlkit.rundir import latest_checkpoint
 
 
 def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F811

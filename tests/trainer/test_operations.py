@@ -16,8 +16,8 @@ import test_e2e
 import torch
 from test_e2e import overrides, read_jsonl, train
 
-from rlkit.config import REPO_ROOT
-from rlkit.trainer import latest_checkpoint
+from rlkit.config.schema import REPO_ROOT
+from rlkit.rundir import latest_checkpoint
 
 HERE = Path(__file__).resolve().parent
 tiny = test_e2e.tiny  # the tiny model fixture
@@ -106,8 +106,7 @@ def one_step_run(tiny, tmp_path_factory):
 @pytest.mark.parametrize("victim", ["custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"])
 def test_a_crafted_pickle_in_a_checkpoint_never_runs(tiny, one_step_run, tmp_path, victim):
     """accelerate unpickles custom_checkpoint_*.pkl with weights_only=False; rlkit writes none and refuses one."""
-    from rlkit.config import load_config
-    from rlkit.train import compose
+    from rlkit.train import compose, load_config
     from rlkit.trainer import Trainer
 
     run_dir = tmp_path / "r"
@@ -123,8 +122,7 @@ def test_a_crafted_pickle_in_a_checkpoint_never_runs(tiny, one_step_run, tmp_pat
 
 
 def _config(tiny, run_dir, *extra):
-    from rlkit.config import load_config
-    from rlkit.train import compose
+    from rlkit.train import compose, load_config
 
     return load_config(compose(overrides(tiny, run_dir, *extra)))
 

@@ -80,9 +80,8 @@ def test_training_routes_rewards_by_a_dataset_column(tiny, tmp_path):
 
     from test_e2e import overrides
 
-    from rlkit.config import load_config
-    from rlkit.data import PromptOrder
-    from rlkit.train import compose
+    from rlkit.data.prompts import PromptOrder
+    from rlkit.train import compose, load_config
     from rlkit.trainer import Trainer
 
     data = tmp_path / "data.jsonl"

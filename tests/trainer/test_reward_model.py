@@ -8,7 +8,7 @@ import torch
 from test_e2e import tiny, train  # noqa: F401
 
 from rlkit.models import load_tokenizer, make_tiny_checkpoint
-from rlkit.reward_model import RewardModel
+from rlkit.rewards.model import RewardModel
 
 
 def _tiny_rm(directory, *, embedding_only=False, seed=0):

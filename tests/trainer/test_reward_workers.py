@@ -66,7 +66,7 @@ def test_idle_worker_killed_then_scoring_and_close_go_on(sig):
 
 def test_busy_worker_killed_is_seen_at_once_and_replaced(tmp_path):
     scorer = RewardScorer(
-        "rlkit_test_rewards:sleep_then_pid", timeout_s=60.0, num_workers=1, also=["rlkit_test_rewards:pid"]
+        "rlkit_test_rewards:sleep_then_pid", {"rlkit_test_rewards:pid": 0.0}, timeout_s=60.0, num_workers=1
     )
     marker = tmp_path / "pid"
 

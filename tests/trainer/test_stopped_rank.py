@@ -12,7 +12,7 @@ from pathlib import Path
 import test_e2e
 from test_e2e import overrides, read_jsonl
 
-from rlkit.config import REPO_ROOT
+from rlkit.config.schema import REPO_ROOT
 
 HERE = Path(__file__).resolve().parent
 tiny = test_e2e.tiny  # the tiny model fixture

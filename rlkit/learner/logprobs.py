@@ -168,3 +168,62 @@ def logprobs_from_logits(
     shape = targets.shape
     lp, _, _, ent = _chunk_stats(z.reshape(-1, z.shape[-1]), targets.reshape(-1), top_k, top_p)
     return lp.view(shape), ent.view(shape)
+
+
+def chunkable_head(model) -> torch.nn.Module | None:
+    """The LM head if logits are exactly hidden @ head.weight.T (Llama, Qwen2, Mistral ...), else None.
+
+    Soft-capped (Gemma 2/3), scaled (Cohere, Granite) or biased heads fall back to full logits.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    cfg = getattr(model, "config", None)
+    special = [
+        getattr(cfg, "final_logit_softcapping", None),
+        getattr(cfg, "logit_scale", None),
+        getattr(cfg, "logits_scaling", None),
+    ]
+    if (
+        not isinstance(head, torch.nn.Linear)
+        or head.bias is not None
+        or any(x not in (None, 1, 1.0) for x in special)
+    ):
+        return None
+    return head
+
+
+def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float, chunk_tokens: int,
+          entropy: bool, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Response log-probs [n, t] (with grad when enabled) and per-token entropy [n, t] or None of one
+    micro-batch's `inp` (rlkit.learner.batching.Inputs), under the distribution the engines sample from
+    (temperature, then top-k / top-p renormalised).
+
+    With `chunk_tokens` and a plain linear head, the model returns only its final hidden states and the
+    head runs chunk by chunk; else full logits at the scored positions. The entropy carries a gradient only
+    with `entropy_grad` (the entropy bonus); otherwise it is a logged constant and costs no graph memory.
+    """
+    from torch.distributed.tensor import DTensor
+
+    kw = dict(input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids)
+    trunc = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    head = chunkable_head(unwrapped) if chunk_tokens else None
+    if head is not None:
+        # Final hidden states only (logits for one position); the head runs chunk by chunk.
+        out = model(**kw, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        hidden = out.hidden_states[-1][:, inp.cols].flatten(0, 1)[inp.take]
+        weight = head.weight
+        if isinstance(weight, DTensor):  # FSDP2 shard outside its module's forward: gather it
+            weight = weight.full_tensor()
+        logp, ent = chunked_logprobs(
+            hidden, weight, inp.targets, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, **trunc
+        )
+    else:
+        out = model(**kw, logits_to_keep=inp.cols, use_cache=False)
+        logp, ent = logprobs_from_logits(out.logits.flatten(0, 1)[inp.take], inp.targets, **trunc)
+        ent = ent if entropy_grad else ent.detach()
+    return inp.scatter(logp), (inp.scatter(ent) if entropy else None)
+
+
+def critic_values(critic, inp) -> Tensor:
+    """Critic values [n, t]: the scalar at the position whose hidden state predicts each response token."""
+    out = critic(input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids)
+    return inp.scatter(out.logits[:, inp.cols, 0].flatten(0, 1)[inp.take].float())

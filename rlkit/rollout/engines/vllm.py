@@ -32,14 +32,13 @@ from torch import Tensor
 
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_tokenizer, resolve_model
-from rlkit.rollout.base import Sampling
-from rlkit.rollout.common import check_generate_args, record_throughput, rows_to_batch
+from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
+from rlkit.weights import clean_param_name
 
 log = logging.getLogger(__name__)
 
 # Prefixes that wrappers add to parameter names (activation checkpointing, FSDP1, DDP,
 # torch.compile); vLLM's loaders know only the model's own names.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
 
 
 def sampling_params_from(sampling: Sampling, n: int, *, seed: int | None = None):
@@ -105,18 +104,9 @@ def vllm_weight_name(hf_name: str) -> str:
 
     vLLM's Llama/Qwen2/Qwen3/Mistral loaders take the checkpoint (transformers) names themselves
     and do the stacking (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and tied-embedding handling
-    internally, so only wrapper prefixes are stripped.
+    internally, so only wrapper components are stripped (the one cleaner of rlkit.weights).
     """
-    name = hf_name
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix) :]
-                stripped = True
-        name = name.replace("._checkpoint_wrapped_module.", ".").replace("._fsdp_wrapped_module.", ".")
-    return name
+    return clean_param_name(hf_name)
 
 
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

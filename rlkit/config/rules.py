@@ -1,6 +1,11 @@
-"""Start-up checks of a configuration beyond choices: unknown keys, the range of every number, and the
-rules that tie keys together. `rlkit.config.load_config` / `validate` call them before any model loads;
-every error is a `ConfigError` in the user's key names (never an internal `learner.*` name).
+"""Start-up checks of a configuration that need only the schema and the math's registries: unknown keys and
+wrong types (`parse`), the range of every number (`RANGES`), the names of the algorithm's keys (asked of the
+registries in rlkit/algos) and the rules that tie keys together (`validate`).
+
+Each component checks the keys it owns with a `check_config(cfg)` beside its code (data, rewards, envs,
+engines, learner, producer, trainer); `rlkit.trainer.preflight` calls this module and all of them before
+any process starts or model loads. Every error is a `ConfigError` naming the key, the value and the valid
+choices.
 
 `RANGES` holds the valid range of every numeric key of `RLConfig` (a test holds it complete), so a new
 number cannot be added without saying which values work.
@@ -10,12 +15,19 @@ from __future__ import annotations
 
 import dataclasses as dc
 import difflib
+import logging
 import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlkit.config import VALID_ARITHMETIC_KINDS, ConfigError, RLConfig
+from omegaconf import DictConfig, OmegaConf
+
+from rlkit.algos import advantages, correction, kl, losses
+from rlkit.config.schema import ConfigError, RLConfig
+from rlkit.logging import BACKENDS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ RANGES: dict[str, Range] = {
     "reward.batch_timeout_s": _gt(0),
     "reward.overlong_buffer": _ge(0),
     "reward.overlong_penalty": _ge(0),
+    "reward.correct_threshold": ANY_FINITE,
     "trainer.steps": _ge(1),
     "trainer.train_batch_size": _ge(1),
     "trainer.lr": _ge(0),
@@ -174,114 +187,136 @@ def check_ranges(cfg: RLConfig) -> None:
             raise ConfigError(f"{key}={value!r} must be {valid}")
 
 
-def _nonempty(key: str, value) -> None:
+def nonempty(key: str, value) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{key}={value!r} must be a non-empty string")
 
 
-def _engine_kwargs(cfg: RLConfig) -> None:
-    """The HF engine takes few keywords: a wrong one would only raise after the learner loaded."""
-    import inspect
-
-    engine = cfg.rollout.engine
-    if engine == "auto":
-        from rlkit.rollout import vllm_usable
-
-        engine = "vllm" if vllm_usable()[0] else "hf"
-    if engine != "hf" or not cfg.rollout.engine_kwargs:
-        return  # vLLM passes unknown keywords on to vllm.LLM
-    from rlkit.rollout.hf import HFEngine
-
-    params = inspect.signature(HFEngine.__init__).parameters
-    valid = sorted(
-        k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "device", "seed")
-    )
-    for k in cfg.rollout.engine_kwargs:
-        if k not in valid:
-            raise ConfigError(f"rollout.engine_kwargs.{k} is not a keyword of the hf engine: valid {valid}")
-    mbs = cfg.rollout.engine_kwargs.get("max_batch_size", 1)
-    if not isinstance(mbs, int) or mbs < 1:
-        raise ConfigError(f"rollout.engine_kwargs.max_batch_size={mbs!r} must be an integer >= 1")
+def choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
-def _device(cfg: RLConfig) -> None:
-    import torch
+def parse(cfg: DictConfig | dict, *, world_size: int = 1) -> RLConfig:
+    """Composed Hydra config -> `RLConfig` checked by this module (unknown keys and wrong types raise here).
 
-    t = cfg.trainer
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "trainer.device='cuda' but no CUDA device is visible: use trainer.device=cpu or auto"
-        )
+    The components' own checks run in `rlkit.trainer.preflight` (`rlkit.train.load_config` runs both).
+    """
+    from omegaconf.errors import OmegaConfBaseException
 
-
-# Distinct problems of each generated arithmetic kind (rlkit.data._arithmetic_problem: a, b in 1..20,
-# 6 names x 5 things in the stories; a subtraction story orders a >= b; plain_mul: a, b in 100..999;
-# plain_add2: a, b in 10..99; plain_add3: c in 1..20; story_two_step: c in 1..a+b).
-ARITHMETIC_SIZES = {
-    "plain_add": 20 * 20,
-    "story_add": 20 * 20 * 30,
-    "story_sub": 210 * 30,
-    "plain_mul": 900 * 900,
-    "plain_add2": 90 * 90,
-    "plain_add3": 20 * 20 * 20,
-    "story_two_step": sum(a + b for a in range(1, 21) for b in range(1, 21)) * 30,
-}
-assert set(ARITHMETIC_SIZES) == set(VALID_ARITHMETIC_KINDS)
-
-
-def _data(cfg: RLConfig) -> None:
-    d = cfg.data
-    for key in ("train_split", "prompt_key", "answer_key"):
-        _nonempty(f"data.{key}", getattr(d, key))
-    if d.prompt_key == d.answer_key:
-        raise ConfigError(f"data.prompt_key and data.answer_key are both {d.prompt_key!r}: use two columns")
-    if d.path == "arithmetic":
-        size = sum(ARITHMETIC_SIZES[k] for k in set(d.arithmetic_kinds))
-        if d.num_train + d.num_eval > size:
+    # Hydra's `+group.key=value` adds a key even to the structured schema; refuse it by name.
+    check_unknown_keys(cfg)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RLConfig), cfg)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
             raise ConfigError(
-                f"data.num_train + data.num_eval = {d.num_train + d.num_eval} exceeds the {size} distinct "
-                f"problems of data.arithmetic_kinds={list(d.arithmetic_kinds)}"
+                f"missing value for {missing}: set them on the command line (e.g. {missing[0]}=...)"
+                + (" - model.path is missing" if "model.path" in missing else "")
             )
-        return
-    from rlkit.data import FILE_TYPES
+        config: RLConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # a wrong type, e.g. trainer.steps=abc
+        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from e
+    validate(config, world_size=world_size)
+    return config
 
-    local = Path(d.path).expanduser()
-    looks_local = d.path.startswith((".", "/", "~")) or local.suffix in FILE_TYPES
-    if looks_local and not local.exists():
-        raise ConfigError(f"data.path={d.path!r} does not exist")
-    if local.is_file() and local.suffix not in FILE_TYPES:
+
+def _algo_names(a) -> None:
+    """The algorithm's names, asked of the registries that implement them."""
+    for key, value, names in (
+        ("algo.adv_estimator", a.adv_estimator, advantages.ESTIMATORS),
+        ("algo.policy_loss", a.policy_loss, losses.POLICY_LOSSES),
+        ("algo.loss_agg_mode", a.loss_agg_mode, losses.AGG_MODES),
+        ("algo.kl_estimator", a.kl_estimator, kl.ESTIMATORS),
+        ("algo.rollout_kl_estimator", a.rollout_kl_estimator, kl.ESTIMATORS),
+        ("algo.rollout_is.level", a.rollout_is.level, correction.LEVELS),
+        ("algo.rollout_is.mode", a.rollout_is.mode, correction.MODES),
+    ):
+        choice(key, value, names)
+
+
+def _algo_rules(cfg: RLConfig) -> None:
+    """Rules between the algorithm's keys; what an estimator needs comes from its registry entry."""
+    a, r = cfg.algo, cfg.rollout
+    est = advantages.ESTIMATORS.props(a.adv_estimator)
+    is_cfg = a.rollout_is
+    if is_cfg.lower is not None and is_cfg.lower >= is_cfg.upper:
         raise ConfigError(
-            f"data.path={d.path!r}: file type {local.suffix!r} is not one of {list(FILE_TYPES)}"
+            f"algo.rollout_is.lower={is_cfg.lower!r} must be below algo.rollout_is.upper={is_cfg.upper!r}"
+        )
+    # veto_lower < 1 < veto_upper by their ranges.
+    if est["needs_critic"] and not a.value_model:
+        raise ConfigError(f"algo.adv_estimator={a.adv_estimator!r} needs a critic: set algo.value_model=true")
+    if a.kl_in_reward and not est["token_level"]:
+        raise ConfigError(
+            f"algo.kl_in_reward=true needs token-level rewards: algo.adv_estimator={a.adv_estimator!r} "
+            f"is not one of {advantages.ESTIMATORS.names(token_level=True)}"
+        )
+    # Eval is never normalised (it reports accuracy), so only the training group size matters.
+    if a.norm_by_std and a.adv_estimator == "grpo" and r.group_size < 2:
+        raise ConfigError(
+            "algo.norm_by_std=true needs rollout.group_size >= 2 (the std of one sample is undefined)"
+        )
+    if est["group_based"] and r.group_size < 2:
+        raise ConfigError(
+            f"rollout.group_size={r.group_size} must be >= 2 for algo.adv_estimator={a.adv_estimator!r} "
+            "(a group of one has advantage 0 and learns nothing)"
+        )
+    if a.value_model and not est["needs_critic"]:
+        raise ConfigError(
+            f"algo.value_model=true trains a critic that algo.adv_estimator={a.adv_estimator!r} does not use "
+            f"(the estimators with a critic: {advantages.ESTIMATORS.names(needs_critic=True)}): set "
+            "algo.value_model=false"
+        )
+    if a.value_model and a.vf_coef == 0:
+        raise ConfigError(
+            "algo.vf_coef=0 never trains the critic of algo.value_model=true: use algo.vf_coef > 0"
         )
 
 
-def _rewards(cfg: RLConfig) -> None:
-    from rlkit.rewards import resolve
+def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
+    """Raise `ConfigError` for a configuration that cannot work; fix up harmless omissions (logged).
 
-    w = cfg.reward
-    _nonempty("reward.fn", w.fn)
-    routes = [(f"reward.routes.{k}", v) for k, v in w.routes.items()]
-    for key, spec in [("reward.fn", w.fn), *((f"reward.extra.{k}", k) for k in w.extra), *routes]:
-        try:
-            resolve(spec)
-        except ValueError as e:
-            raise ConfigError(f"{key}: {e}") from e
-    for k, weight in w.extra.items():
-        if weight is None or not math.isfinite(weight):
-            raise ConfigError(f"reward.extra.{k}={weight!r} must be a finite weight")
-
-
-def check_rules(cfg: RLConfig) -> None:
-    """The rules between keys, and the non-numeric keys `validate` does not check by choice."""
+    `world_size` is the number of ranks the run will use (the batch must split evenly over them).
+    """
     m, r, a, t, lg = cfg.model, cfg.rollout, cfg.algo, cfg.trainer, cfg.logger
-    _nonempty("model.path", m.path)
-    for key, path in (("model.path", m.path), ("reward.model", cfg.reward.model)):
-        if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
-            raise ConfigError(f"{key}={path!r} does not exist (a local path: it starts with / . or ~)")
-    targets = list(m.lora.target_modules)
-    if not targets or not all(isinstance(x, str) and x for x in targets):
+    if not m.path or m.path == "???":
         raise ConfigError(
-            f"model.lora.target_modules={targets!r} must be a non-empty list of module names, e.g. [q_proj, v_proj]"
+            "model.path is missing: set model.path=<hub id | local dir | smollm2-135m>, or start from a "
+            "recipe (+recipe=quickstart runs offline)"
+        )
+    nonempty("model.path", m.path)
+    if r.temperature == 0:
+        raise ConfigError(
+            "rollout.temperature=0 (greedy) cannot train: every sample of a group would be identical; "
+            "use a temperature > 0"
+        )
+    check_ranges(cfg)
+    _algo_names(a)
+    _algo_rules(cfg)
+    if a.rollout_is.enabled is None:
+        a.rollout_is.enabled = t.mode == "async"  # decoupled PPO: weight proximal against behaviour
+    if (a.rollout_is.enabled or a.rollout_kl_coef > 0) and not r.return_logprobs:
+        # Both need the engine's log-probs; the engines always can return them, so turn them on.
+        log.warning(
+            "algo.rollout_is.enabled / algo.rollout_kl_coef need rollout log-probs: "
+            "setting rollout.return_logprobs=true"
+        )
+        r.return_logprobs = True
+    if t.train_batch_size % r.group_size:
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be divisible by "
+            f"rollout.group_size={r.group_size} (it counts samples = prompts x group size)"
+        )
+    if t.train_batch_size % (r.group_size * world_size):
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x ranks "
+            f"= {r.group_size} x {world_size} (each rank samples whole groups)"
+        )
+    if (t.train_batch_size // world_size) % a.mini_batches:
+        raise ConfigError(
+            f"algo.mini_batches={a.mini_batches} must divide the per-rank batch "
+            f"{t.train_batch_size // world_size} (trainer.train_batch_size / ranks)"
         )
     if len(t.betas) != 2 or any(b is None or not 0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={list(t.betas)!r} must be two values in [0, 1), e.g. [0.9, 0.999]")
@@ -298,29 +333,16 @@ def check_rules(cfg: RLConfig) -> None:
         )
     if any(not isinstance(s, str) or not s for s in r.stop):
         raise ConfigError(f"rollout.stop={list(r.stop)!r}: a stop string must be non-empty")
-    if a.value_model and a.adv_estimator != "gae":
-        raise ConfigError(
-            f"algo.value_model=true trains a critic that only algo.adv_estimator='gae' uses "
-            f"(it is {a.adv_estimator!r}): set algo.value_model=false"
-        )
-    if a.value_model and a.vf_coef == 0:
-        raise ConfigError(
-            "algo.vf_coef=0 never trains the critic of algo.value_model=true: use algo.vf_coef > 0"
-        )
-    _nonempty("trainer.run_dir", t.run_dir)
-    if Path(t.run_dir).expanduser().is_file():
-        raise ConfigError(f"trainer.run_dir={t.run_dir!r} is a file, not a directory")
-    if t.resume not in ("auto", "none") and not Path(t.resume).expanduser().is_dir():
-        raise ConfigError(
-            f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"
-        )
-    _nonempty("logger.name", lg.name)
+    choice("logger.backend", lg.backend, BACKENDS)
+    nonempty("logger.name", lg.name)
     if lg.backend == "wandb":
-        _nonempty("logger.project", lg.project)
+        nonempty("logger.project", lg.project)
         for tag in lg.tags:
             if not isinstance(tag, str) or not 1 <= len(tag) <= 64:
                 raise ConfigError(f"logger.tags: {tag!r} must be 1 to 64 characters (a W&B limit)")
-    _data(cfg)
-    _rewards(cfg)
-    _device(cfg)
-    _engine_kwargs(cfg)
+
+
+def local_path_exists(key: str, path: str | None) -> None:
+    """A value that looks like a local path (starts with / . or ~) must exist."""
+    if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        raise ConfigError(f"{key}={path!r} does not exist (a local path: it starts with / . or ~)")

@@ -1,45 +1,25 @@
-"""The typed configuration schema and its validation.
+"""The typed configuration schema: one dataclass per config group, a docstring per field.
 
-Every field has a one-line doc. Hydra composes `configs/config.yaml` (+ a recipe from `recipes/` +
-command-line overrides) on top of `RLConfig`; `load_config` turns the result into these dataclasses and
-`validate` rejects a configuration that cannot work *before any model loads*, naming the key, the bad
-value and the valid choices.
+Hydra composes `configs/config.yaml` (+ a recipe from `recipes/` + command-line overrides) on top of
+`RLConfig`. This module imports no other rlkit module: the valid names of a key come from the registry of
+the module that implements it, and rlkit/config/rules.py with each component's `check_config` reject a
+configuration that cannot work before any model loads.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 RECIPE_DIR = REPO_ROOT / "recipes"
 
-DTYPES = ["float32", "bfloat16"]
-ENGINES = ["auto", "hf", "vllm"]
-ADV_ESTIMATORS = ["grpo", "rloo", "reinforce_pp", "gae"]
-POLICY_LOSSES = ["ppo_clip", "gspo", "cispo"]
-LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KL_ESTIMATORS = ["k1", "abs", "k2", "k3"]
-IS_LEVELS = ["token", "sequence", "geometric"]
-IS_MODES = ["truncate", "mask", "both"]
-DYNAMIC_SAMPLING = ["off", "refill"]
-FILTER_METRICS = ["reward", "accuracy"]
-LR_SCHEDULES = ["constant", "cosine"]
-LOGGERS = ["wandb", "console", "none"]
-TEMPLATES = ["chat", "plain"]
-DEVICES = ["auto", "cpu", "cuda"]
-STRATEGIES = ["auto", "fsdp2", "ddp"]
-TRAINER_MODES = ["sync", "async"]
-ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")  # problem types of rlkit.data's generated set
-# Opt-in harder kinds: 3-digit products, 2-digit sums, sums of three numbers, two-step stories.
-VALID_ARITHMETIC_KINDS = (*ARITHMETIC_KINDS, "plain_mul", "plain_add2", "plain_add3", "story_two_step")
+# The schema's default problem kinds of the generated arithmetic set (rlkit/data/arithmetic.py lists them all).
+DEFAULT_ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")
 
 
 # Every attention and MLP projection of Llama-style models (peft `target_modules`).
@@ -100,7 +80,7 @@ class DataConfig:
     """`arithmetic` only: number of generated training problems."""
     num_eval: int = 200
     """`arithmetic` only: number of generated eval problems."""
-    arithmetic_kinds: list[str] = field(default_factory=lambda: list(ARITHMETIC_KINDS))
+    arithmetic_kinds: list[str] = field(default_factory=lambda: list(DEFAULT_ARITHMETIC_KINDS))
     """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub,
     plain_mul ("What is a * b?", 3-digit a, b), plain_add2 ("What is a + b?", 2-digit a, b), plain_add3
     ("What is a + b + c?"), story_two_step (gets b more, then gives away c); the last four are not in the
@@ -214,7 +194,8 @@ class AlgoConfig:
     """off | refill: drop groups whose `filter_metric` has no spread and generate more prompts until the
     step holds train_batch_size samples of informative groups (DAPO dynamic sampling)."""
     filter_metric: str = "reward"
-    """Spread that makes a group informative under refill: reward (the total reward) | accuracy (math)."""
+    """Spread that makes a group informative under refill: reward (the total reward) | accuracy (the task's
+    verdict of correct, see reward.correct_threshold)."""
     max_gen_batches: int = 4
     """Refill: at most this many generation batches per step; then train on what there is (warning)."""
     overlong_filter: bool = False
@@ -225,7 +206,10 @@ class AlgoConfig:
 class RewardConfig:
     fn: str = "math"
     """Main reward: a registered name (`math`, `format`) or an import path `module:fn` / `module.fn`
-    called as fn(prompt, response, answer, **columns) -> float (see "Reward functions" in the README)."""
+    called as fn(prompt, response, answer, **columns) -> float (see the reward guide in the docs)."""
+    correct_threshold: float = 1.0
+    """A sample is correct (accuracy, eval/pass@k, filter_metric=accuracy) when its main reward is at least
+    this, unless the function declares its own verdict (@rlkit.rewards.correct_when)."""
     extra: dict[str, float] = field(default_factory=dict)
     """More reward functions with their weights, added to `fn` (e.g. `+reward.extra.format=0.1`)."""
     timeout_s: float = 10.0
@@ -352,15 +336,6 @@ class ConfigError(ValueError):
     """A configuration that cannot work (raised before any model loads)."""
 
 
-def check_arithmetic_kinds(kinds) -> None:
-    """`data.arithmetic_kinds` must be a non-empty subset of ARITHMETIC_KINDS (checked at start-up and
-    by rlkit.data.generate_arithmetic)."""
-    if not kinds or any(k not in VALID_ARITHMETIC_KINDS for k in kinds):
-        raise ConfigError(
-            f"data.arithmetic_kinds={list(kinds)} must be a non-empty subset of {list(VALID_ARITHMETIC_KINDS)}"
-        )
-
-
 def register_configs() -> None:
     """Register the schema and every recipe with Hydra's ConfigStore.
 
@@ -374,184 +349,6 @@ def register_configs() -> None:
     cs.store(name="rlkit_schema", node=RLConfig)
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
         cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
-
-
-def _choice(key: str, value, choices: list) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {choices}")
-
-
-def load_config(cfg: DictConfig | dict, *, world_size: int = 1) -> RLConfig:
-    """Composed Hydra config -> validated `RLConfig` (unknown keys and wrong types raise here)."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from rlkit.config_checks import check_unknown_keys
-
-    # Hydra's `+group.key=value` adds a key even to the structured schema; refuse it by name.
-    check_unknown_keys(cfg)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(RLConfig), cfg)
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigError(
-                f"missing value for {missing}: set them on the command line (e.g. {missing[0]}=...)"
-                + (" - model.path is missing" if "model.path" in missing else "")
-            )
-        config: RLConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:  # a wrong type, e.g. trainer.steps=abc
-        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from e
-    validate(config, world_size=world_size)
-    return config
-
-
-def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
-    """Raise `ConfigError` for a configuration that cannot work; fix up harmless omissions (logged).
-
-    `world_size` is the number of ranks the run will use (the batch must split evenly over them).
-    """
-    from rlkit.config_checks import check_ranges, check_rules
-
-    m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.trainer
-    if not m.path or m.path == "???":
-        raise ConfigError(
-            "model.path is missing: set model.path=<hub id | local dir | smollm2-135m>, or start from a "
-            "recipe (+recipe=quickstart runs offline)"
-        )
-    if m.dtype == "float16":
-        raise ConfigError(
-            "model.dtype='float16' is not supported (fp16 training needs loss scaling, which the learner "
-            f"does not do): use one of {DTYPES}"
-        )
-    _choice("model.dtype", m.dtype, DTYPES)
-    if not d.path:
-        raise ConfigError("data.path is missing: set data.path=<hub id | local file | arithmetic>")
-    _choice("data.template", d.template, TEMPLATES)
-    check_arithmetic_kinds(d.arithmetic_kinds)
-
-    _choice("rollout.engine", r.engine, ENGINES)
-    if r.temperature == 0:
-        raise ConfigError(
-            "rollout.temperature=0 (greedy) cannot train: every sample of a group would be identical; "
-            "use a temperature > 0"
-        )
-    check_ranges(cfg)
-
-    _choice("algo.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
-    _choice("algo.policy_loss", a.policy_loss, POLICY_LOSSES)
-    _choice("algo.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
-    _choice("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-    _choice("algo.rollout_kl_estimator", a.rollout_kl_estimator, KL_ESTIMATORS)
-    _choice("algo.rollout_is.level", a.rollout_is.level, IS_LEVELS)
-    _choice("algo.rollout_is.mode", a.rollout_is.mode, IS_MODES)
-    _choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)
-    _choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
-    if cfg.reward.routes and cfg.reward.route_by is None:
-        raise ConfigError(
-            f"reward.routes={dict(cfg.reward.routes)} needs reward.route_by=<dataset column> to choose a route"
-        )
-    if cfg.reward.model is not None and not cfg.reward.model.strip():
-        raise ConfigError(
-            "reward.model='' is not a model: give a hub id or local directory, or null for none"
-        )
-    if cfg.reward.overlong_buffer > r.max_new_tokens:
-        raise ConfigError(
-            f"reward.overlong_buffer={cfg.reward.overlong_buffer} must be <= "
-            f"rollout.max_new_tokens={r.max_new_tokens} (the penalty zone ends at the cap)"
-        )
-    if a.dynamic_sampling == "refill" and a.adv_estimator not in ("grpo", "rloo"):
-        raise ConfigError(
-            f"algo.dynamic_sampling='refill' filters groups by their spread: algo.adv_estimator="
-            f"{a.adv_estimator!r} is not one of ['grpo', 'rloo']"
-        )
-    is_cfg = a.rollout_is
-    if is_cfg.lower is not None and is_cfg.lower >= is_cfg.upper:
-        raise ConfigError(
-            f"algo.rollout_is.lower={is_cfg.lower!r} must be below algo.rollout_is.upper={is_cfg.upper!r}"
-        )
-    # veto_lower < 1 < veto_upper by their ranges.
-    if a.adv_estimator == "gae" and not a.value_model:
-        raise ConfigError("algo.adv_estimator='gae' needs a critic: set algo.value_model=true")
-    if a.kl_in_reward and a.adv_estimator not in ("gae", "reinforce_pp"):
-        raise ConfigError(
-            f"algo.kl_in_reward=true needs token-level rewards: algo.adv_estimator={a.adv_estimator!r} "
-            "is not one of ['gae', 'reinforce_pp']"
-        )
-    # Eval is never normalised (it reports accuracy), so only the training group size matters.
-    if a.norm_by_std and a.adv_estimator == "grpo" and r.group_size < 2:
-        raise ConfigError(
-            "algo.norm_by_std=true needs rollout.group_size >= 2 (the std of one sample is undefined)"
-        )
-    if a.adv_estimator in ("grpo", "rloo") and r.group_size < 2:
-        raise ConfigError(
-            f"rollout.group_size={r.group_size} must be >= 2 for algo.adv_estimator={a.adv_estimator!r} "
-            "(a group of one has advantage 0 and learns nothing)"
-        )
-    _choice("trainer.mode", t.mode, TRAINER_MODES)
-    if a.rollout_is.enabled is None:
-        a.rollout_is.enabled = t.mode == "async"  # decoupled PPO: weight proximal against behaviour
-    if (a.rollout_is.enabled or a.rollout_kl_coef > 0) and not r.return_logprobs:
-        # Both need the engine's log-probs; the engines always can return them, so turn them on.
-        log.warning(
-            "algo.rollout_is.enabled / algo.rollout_kl_coef need rollout log-probs: "
-            "setting rollout.return_logprobs=true"
-        )
-        r.return_logprobs = True
-
-    _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _choice("trainer.device", t.device, DEVICES)
-    _choice("trainer.strategy", t.strategy, STRATEGIES)
-    if t.mode == "async":
-        _check_async(cfg)
-    if t.train_batch_size % r.group_size:
-        raise ConfigError(
-            f"trainer.train_batch_size={t.train_batch_size} must be divisible by "
-            f"rollout.group_size={r.group_size} (it counts samples = prompts x group size)"
-        )
-    if t.train_batch_size % (r.group_size * world_size):
-        raise ConfigError(
-            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x ranks "
-            f"= {r.group_size} x {world_size} (each rank samples whole groups)"
-        )
-    if (t.train_batch_size // world_size) % a.mini_batches:
-        raise ConfigError(
-            f"algo.mini_batches={a.mini_batches} must divide the per-rank batch "
-            f"{t.train_batch_size // world_size} (trainer.train_batch_size / ranks)"
-        )
-    _choice("logger.backend", cfg.logger.backend, LOGGERS)
-    check_rules(cfg)
-    _check_env(cfg)
-
-
-def _check_async(cfg: RLConfig) -> None:
-    t, r = cfg.trainer, cfg.rollout
-    if t.train_batch_size % (r.group_size * t.rollout_gpus):
-        raise ConfigError(
-            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x "
-            f"trainer.rollout_gpus = {r.group_size} x {t.rollout_gpus} (each rollout worker samples whole groups)"
-        )
-    if t.device != "cpu":
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus and gpus <= t.rollout_gpus:
-            raise ConfigError(
-                f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
-                f"use at most {gpus - 1}"
-            )
-    if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
-        log.warning(
-            "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
-            "are trained without the behaviour-policy correction of decoupled PPO", t.max_staleness,
-        )  # fmt: skip
-
-
-def _check_env(cfg: RLConfig) -> None:
-    from rlkit.envs import check_env_config
-
-    try:
-        check_env_config(cfg.env, cfg.rollout)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
 
 
 def to_dict(cfg: RLConfig) -> dict:

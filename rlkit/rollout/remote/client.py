@@ -31,151 +31,25 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import io
 import logging
 import os
 import queue
-import signal
-import traceback
 from collections import deque
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from rlkit.batch import ScoredBatch
 from rlkit.collectives import free_port
-from rlkit.rollout import _torch_dtype
-from rlkit.rollout.producer import ScoredBatch, merge_scored, split_scored
-from rlkit.weights import receive_weights, send_weights
+from rlkit.rollout.engines import torch_dtype
+from rlkit.rollout.remote.wire import Pending, bridge, loads
+from rlkit.rollout.remote.worker import worker_main
+from rlkit.rollout.scored import merge_scored, split_scored
+from rlkit.rundir import PENDING_FILE
+from rlkit.weights import Export, send_weights
 
 log = logging.getLogger(__name__)
-
-PENDING_FILE = "rollouts.pt"
-# Launcher variables a worker must not inherit from learner rank 0 (it is rank r of its own world).
-_LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")  # fmt: skip
-
-
-@dataclasses.dataclass
-class Pending:
-    """A scored global batch the learner has received and not trained yet."""
-
-    index: int
-    """Its place in the sequence of granted batches (its sampling seeds derive from it)."""
-    batch: ScoredBatch
-    position: int
-    """The data order's position after its prompts were drawn."""
-    seconds: dict[str, float]
-    """The worker's phase timers (timing/generate_s, timing/reward_s, ...)."""
-
-
-def _dumps(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _bridge(store, rank: int, size: int, backend: str, timeout_s: float):
-    """The process group of learner rank 0 (rank 0) and the workers, apart from either side's own world."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-# -- the worker process ---------------------------------------------------------------------------------
-
-
-def _control(ctrl, parent: int):
-    """The next control message; exits when learner rank 0 (the parent) is gone."""
-    while True:
-        try:
-            return ctrl.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                raise SystemExit("rollout worker: learner rank 0 exited") from None
-
-
-def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, start: dict) -> None:
-    """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles)."""
-    rollouts = None
-    try:
-        for key in list(os.environ):
-            if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
-                del os.environ[key]
-        os.environ.update(
-            RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]),
-        )  # fmt: skip
-        if start["gpu"] is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(start["gpu"])
-            os.environ["LOCAL_RANK"] = "0"
-        # The learner stops the workers after its checkpoint; a signal to the process group must not.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        logging.basicConfig(level=logging.WARNING, format=f"[rollout worker {r}] %(levelname)s %(message)s")
-        if start["threads"]:
-            torch.set_num_threads(start["threads"])
-
-        from rlkit.config import load_config
-        from rlkit.models import load_tokenizer
-        from rlkit.rollout.local import LocalRollouts
-        from rlkit.trainer import Timers
-
-        # The learner validated the config for its ranks (and the batch split over R workers).
-        cfg = load_config(cfg_dict)
-        device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
-        dtype = _torch_dtype(cfg.model.dtype)  # the engine's; pushes arrive in it
-        if R > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=r, world_size=R)
-        rollouts = LocalRollouts(
-            cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
-            reward_dtype=dtype,
-        )  # fmt: skip
-        rollouts.order.position = start["position"]
-        results.put(_dumps(("ready", r)))
-        store = dist.TCPStore("127.0.0.1", ports["bridge"], R + 1, False,
-                              timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))  # fmt: skip
-        pg = _bridge(store, r + 1, R + 1, "nccl" if device.type == "cuda" else "gloo",
-                     cfg.trainer.collective_timeout_s)  # fmt: skip
-
-        version, credits, index = -1, 0, start["index"]
-        parent = start["parent"]
-        while True:
-            if credits:
-                # A granted batch, generated with the weights held now (the schedule in the module doc).
-                timers = Timers()
-                sb = rollouts.produce(index, timers)
-                sb = dataclasses.replace(sb, policy_version=version)
-                results.put(_dumps(("batch", r, index, sb, rollouts.order.position, timers.seconds)))
-                index, credits = index + 1, credits - 1
-                continue
-            msg = _control(ctrl, parent)
-            if msg[0] == "push":
-                _, version, evaluate, grant, manifest = msg
-                receive_weights(pg, rollouts.engine, manifest, dtype, device)
-                if evaluate:
-                    metrics = rollouts.evaluate(version)
-                    if r == 0:
-                        results.put(_dumps(("eval", r, version, metrics)))
-                credits += grant
-            elif msg[0] == "grant":
-                credits += msg[1]
-            elif msg[0] == "stop":
-                break
-    except BaseException as e:
-        if not isinstance(e, SystemExit):
-            results.put(_dumps(("error", r, traceback.format_exc())))
-        raise SystemExit(1) from None
-    finally:
-        if rollouts is not None:
-            rollouts.close()
-        results.cancel_join_thread()
-
 
 # -- the learner side -----------------------------------------------------------------------------------
 
@@ -189,7 +63,7 @@ class AsyncRollouts:
         self.is_main = rank == 0
         self.S, self.R = t.max_staleness, t.rollout_gpus
         self.engine_name = f"{cfg.rollout.engine}, in {self.R} rollout worker process(es)"
-        self.dtype = _torch_dtype(cfg.model.dtype)
+        self.dtype = torch_dtype(cfg.model.dtype)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.pending: deque[Pending] = deque()  # received, not trained
         self.shares: dict[int, dict[int, tuple]] = {}  # batch index -> worker -> its share
@@ -209,16 +83,16 @@ class AsyncRollouts:
 
     # -- start / stop -------------------------------------------------------------------------------
 
-    def start(self, learner, step: int, *, evaluate: bool = False) -> None:
+    def start(self, export: Export, step: int, *, evaluate: bool = False) -> None:
         """Start the workers from the data position of this run (or its checkpoint) and push `step`."""
         if self.is_main:
             self._spawn()
-        self.push(learner, step, evaluate=evaluate)
+        self.push(export, step, evaluate=evaluate)
 
     def _spawn(self) -> None:
         import multiprocessing as mp
 
-        from rlkit.config import to_dict
+        from rlkit.config.schema import to_dict
 
         ctx = mp.get_context("spawn")
         t = self.cfg.trainer
@@ -245,7 +119,7 @@ class AsyncRollouts:
             self.ctrl.append(ctrl)
         while len(self.ready) < self.R:  # errors and deaths while loading surface here
             self._receive()
-        self.pg = _bridge(store, 0, self.R + 1, self.backend, t.collective_timeout_s)
+        self.pg = bridge(store, 0, self.R + 1, self.backend, t.collective_timeout_s)
         self._store = store
 
     def close(self) -> None:
@@ -282,7 +156,7 @@ class AsyncRollouts:
                         raise RuntimeError(
                             f"rollout worker {r} exited with code {proc.exitcode} without reporting an error"
                         ) from None
-        msg = _loads(data)
+        msg = loads(data)
         kind, r = msg[0], msg[1]
         if kind == "error":
             raise RuntimeError(f"rollout worker {r} failed:\n{msg[2]}")
@@ -339,12 +213,9 @@ class AsyncRollouts:
             timers.seconds[key] = timers.seconds.get(key, 0.0) + value
         return dataclasses.replace(share, stats={**share.stats, "staleness/dropped": float(dropped)})
 
-    def push(self, learner, version: int, *, evaluate: bool = False) -> dict[str, float]:
+    def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
         """Send version `version` to the workers and grant the batches it generates; all ranks call it."""
-        from rlkit.weights import learner_manifest
-
-        if self.manifest is None:
-            self.manifest = learner_manifest(learner)
+        self.manifest = export.manifest
         if self.is_main:
             steps = self.cfg.trainer.steps
             # Untrained batches should cover steps version .. version + S (not past the last step).
@@ -359,9 +230,7 @@ class AsyncRollouts:
             if evaluate:
                 self.eval_requested.add(version)
         send_device = self.device if self.backend == "nccl" else torch.device("cpu")
-        return send_weights(
-            self.pg, learner, self.manifest, self.dtype, is_main=self.is_main, device=send_device
-        )
+        return send_weights(self.pg, export, self.dtype, is_main=self.is_main, device=send_device)
 
     def evaluate(self, version: int) -> dict[str, float]:
         """The workers' eval of version `version` (requested with its push)."""

@@ -1,165 +1,24 @@
-"""Reward functions and their safe execution.
+"""Runs reward functions safely: worker processes with a per-call timeout (rlkit/rewards/functions.py has
+the contract).
 
-The contract. A reward function is
-
-    def my_reward(prompt: str, response: str, answer: str, **columns) -> float
-
-`prompt` is the templated prompt text, `response` the decoded response, `answer` the row's reference
-answer (`data.answer_key`), and the function also receives, as keyword arguments, the columns of its
-dataset row that its signature names (every column when it takes `**columns`), e.g. test cases, units,
-a tolerance or `data_source`. A function decorated with `@batched` is called once per batch (per
-route) with lists instead: `fn(prompts, responses, answers, **columns_as_lists) -> list[float]`, for
-a model or a service with its own concurrency. `reward.route_by: data_source` picks the main reward
-of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
-
-Built-ins are registered by name (`math`, `format`); any other function is addressed by import path
-(`my_module:my_fn` or `my_module.my_fn`). Functions run in worker processes with a per-call timeout: one that raises, returns
-a non-number, hangs or kills its process (os._exit, a segfault) yields 0 for that sample and is counted
-in `reward/errors` (plus `reward/timeouts`); the run never crashes or hangs because of a reward.
-
-This module imports nothing heavy at import time: worker processes load it (spawn) in about a second.
+A function that raises, returns a non-number, hangs or kills its process (os._exit, a segfault) yields 0
+for that sample and is counted in `reward/errors` (plus `reward/timeouts`); the run never crashes or hangs
+because of a reward. This module imports nothing heavy: worker processes load it (spawn) in about a second.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import re
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlkit.rewards.functions import call_reward, is_batched, is_correct, resolve
+
 log = logging.getLogger(__name__)
-
-_ANSWER_MARK = "####"
-
-
-def extract_gsm8k_answer(answer: str) -> str:
-    """The final answer of a GSM8K reference solution (text after `####`, thousands commas removed)."""
-    if _ANSWER_MARK in answer:
-        answer = answer.split(_ANSWER_MARK)[-1]
-    return answer.strip().replace(",", "")
-
-
-def _response_final(response: str) -> str:
-    """What to verify in a response: the text after its last `####` if any, else the whole response."""
-    if _ANSWER_MARK in response:
-        return response.split(_ANSWER_MARK)[-1].strip().replace(",", "")
-    return response
-
-
-_FRACTION = re.compile(r"^\s*-?\d+\s*/\s*\d+\s*$")
-
-
-def _is_number(parsed: list) -> bool:
-    """A math-verify parse that is a single number: an integer, decimal or fraction, not a sum or product."""
-    import sympy
-
-    return isinstance(parsed[0], sympy.Number) or bool(_FRACTION.match(str(parsed[-1])))
-
-
-def math_reward(prompt: str, response: str, answer: str) -> float:
-    """1.0 when the response's final answer equals the reference (math-verify), else 0.0.
-
-    The response's answer is the text after `####` when present (our prompt asks for it), otherwise
-    math-verify extracts the last number / boxed expression from the whole response. When the reference
-    is a number, the answer must be a number too: math-verify evaluates an expression, so a response that
-    restates the question ("7 + 15" for "What is 7 + 15?") would otherwise score as the right answer, and
-    a policy learns exactly that.
-    """
-    from math_verify import parse, verify
-
-    gold = parse(extract_gsm8k_answer(answer))
-    if not gold:
-        return 0.0
-    pred = parse(_response_final(response))
-    if not pred or (_is_number(gold) and not _is_number(pred)):
-        return 0.0
-    return 1.0 if verify(gold, pred) else 0.0
-
-
-_FORMAT_RE = re.compile(r"(####\s*-?[\d,]*\.?\d+)|(\\boxed\{[^}]*\})")
-
-
-def format_reward(prompt: str, response: str, answer: str) -> float:
-    """1.0 when the response states a final answer in the requested form (`#### N` or `\\boxed{...}`)."""
-    return 1.0 if _FORMAT_RE.search(response) else 0.0
-
-
-REGISTRY: dict[str, Callable[[str, str, str], float]] = {"math": math_reward, "format": format_reward}
-
-
-@functools.cache
-def resolve(spec: str) -> Callable[[str, str, str], float]:
-    """A reward function from a registered name or an import path `module:fn` / `module.fn`."""
-    from rlkit.lookup import lookup
-
-    return lookup(spec, REGISTRY, key="reward.fn")
-
-
-def batched(fn: Callable) -> Callable:
-    """Mark a reward function as batched: called once per batch with lists, returns one float per sample."""
-    fn.rlkit_batched = True
-    return fn
-
-
-def is_batched(spec: str) -> bool:
-    return bool(getattr(resolve(spec), "rlkit_batched", False))
-
-
-_FIXED = ("prompt", "response", "answer", "prompts", "responses", "answers")
-
-
-@functools.cache
-def _wanted_columns(spec: str) -> tuple[bool, frozenset[str]]:
-    """(takes **kwargs, the other parameter names) of a reward function's signature."""
-    import inspect
-
-    params = inspect.signature(resolve(spec)).parameters.values()
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    return var_kw, frozenset(names - set(_FIXED))
-
-
-def _columns_for(spec: str, row: dict) -> dict:
-    var_kw, names = _wanted_columns(spec)
-    return {k: v for k, v in row.items() if k not in _FIXED and (var_kw or k in names)}
-
-
-def _number(value) -> tuple[float, str | None]:
-    try:
-        value = float(value)
-    except (TypeError, ValueError) as e:
-        return 0.0, f"non-numeric reward {value!r} ({e})"
-    if not math.isfinite(value):
-        return 0.0, f"non-finite reward {value}"
-    return value, None
-
-
-def _call(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]:
-    """Worker side: one (reward, None) or (0.0, error description) per item. Never raises.
-
-    `items` are (prompt, response, answer, row) tuples: one for a per-sample function, the batch for a
-    batched one.
-    """
-    try:
-        fn = resolve(spec)
-        if not getattr(fn, "rlkit_batched", False):
-            ((prompt, response, answer, row),) = items
-            return [_number(fn(prompt, response, answer, **_columns_for(spec, row)))]
-        columns = {k: [_columns_for(spec, it[3])[k] for it in items] for k in _columns_for(spec, items[0][3])}
-        values = list(
-            fn([it[0] for it in items], [it[1] for it in items], [it[2] for it in items], **columns)
-        )
-        if len(values) != len(items):
-            raise ValueError(f"batched reward returned {len(values)} values for {len(items)} samples")
-        return [_number(v) for v in values]
-    except BaseException as e:  # a reward must never take the run down
-        return [(0.0, f"{type(e).__name__}: {e}")] * len(items)
 
 
 def _init_worker() -> None:
@@ -201,7 +60,7 @@ def _worker_main(conn, parent_pid: int) -> None:
             return
         if task is None:
             return
-        conn.send(_call(*task))
+        conn.send(call_reward(*task))
 
 
 class _Worker:
@@ -234,6 +93,8 @@ class Scores:
     per_fn: dict[str, list[float]]
     errors: int
     timeouts: int
+    correct: list[float]
+    """1.0 where the main reward function's verdict on the sample is correct (see `correct_when`), else 0.0."""
 
 
 class RewardScorer:
@@ -244,7 +105,8 @@ class RewardScorer:
         extra: more reward functions and their weights.
         timeout_s: per-call limit; a call over it is abandoned (its worker killed) and scores 0.
         num_workers: worker processes.
-        also: functions computed for metrics only (e.g. `math` for accuracy), weight 0.
+        correct_threshold: the main reward at or above which a sample is correct, for functions that
+            declare no verdict of their own (`correct_when`).
         route_by: a dataset column whose value picks each sample's main reward from `routes`
             (`fn` for values not listed); None = `fn` for every sample.
         routes: column value -> reward function.
@@ -258,7 +120,7 @@ class RewardScorer:
         *,
         timeout_s: float = 10.0,
         num_workers: int = 2,
-        also: Sequence[str] = (),
+        correct_threshold: float = 1.0,
         route_by: str | None = None,
         routes: dict[str, str] | None = None,
         batch_timeout_s: float = 60.0,
@@ -267,8 +129,7 @@ class RewardScorer:
         self.weights: dict[str, float] = {fn: 1.0}
         for name, w in (extra or {}).items():
             self.weights[name] = self.weights.get(name, 0.0) + float(w)
-        for name in also:
-            self.weights.setdefault(name, 0.0)
+        self.correct_threshold = correct_threshold
         self.route_by, self.routes = route_by, dict(routes or {})
         for name in [*self.weights, *self.routes.values()]:
             resolve(name)  # fail at start-up on a bad name, not in a worker
@@ -289,6 +150,14 @@ class RewardScorer:
         for w in workers:
             w.kill()
 
+    def _spec(self, slot: str, row: dict) -> str:
+        """The function that scores `slot` for a sample: the main slot follows the sample's route."""
+        if slot != self.main or self.route_by is None:
+            return slot
+        if self.route_by not in row:
+            raise KeyError(f"reward.route_by={self.route_by!r} is not a column of the dataset: {sorted(row)}")
+        return self.routes.get(str(row[self.route_by]), slot)
+
     def _tasks(
         self, weights: dict[str, float], rows: Sequence[dict]
     ) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -297,14 +166,7 @@ class RewardScorer:
         for slot in weights:
             by_spec: dict[str, list[int]] = {}
             for i, row in enumerate(rows):
-                spec = slot
-                if slot == self.main and self.route_by is not None:
-                    if self.route_by not in row:
-                        raise KeyError(
-                            f"reward.route_by={self.route_by!r} is not a column of the dataset: {sorted(row)}"
-                        )
-                    spec = self.routes.get(str(row[self.route_by]), slot)
-                by_spec.setdefault(spec, []).append(i)
+                by_spec.setdefault(self._spec(slot, row), []).append(i)
             for spec, idx in by_spec.items():
                 if is_batched(spec):
                     tasks.append((slot, spec, tuple(idx)))
@@ -403,4 +265,10 @@ class RewardScorer:
                     replace(w, f"timed out after {limit:.1f}s", timeout=w.ready)
         per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
         total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]
-        return Scores(total=total, per_fn=per_fn, errors=errors, timeouts=timeouts)
+        correct = [0.0] * len(responses)
+        if self.main in per_fn:
+            correct = [
+                float(is_correct(self._spec(self.main, rows[i]), v, self.correct_threshold))
+                for i, v in enumerate(per_fn[self.main])
+            ]
+        return Scores(total=total, per_fn=per_fn, errors=errors, timeouts=timeouts, correct=correct)

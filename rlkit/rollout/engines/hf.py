@@ -21,8 +21,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_causal_lm, load_tokenizer
-from rlkit.rollout.base import Sampling
-from rlkit.rollout.common import check_generate_args, record_throughput, rows_to_batch
+from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +96,8 @@ class HFEngine:
         context end (finish reason "length"). Reproducible: the same seed gives the same samples.
         """
         check_generate_args(prompts, n, self.context, self.model.config.vocab_size)
-        if self._sleeping:
-            raise RuntimeError("HFEngine.generate called while asleep: call wake() first")
+        if self._sleeping:  # as vLLM does: an engine asked to generate wakes itself
+            self.wake()
         self._push_guard.check()
         generator = self.generator
         if sampling.seed is not None:

@@ -22,20 +22,20 @@ _BASE = ".base_layer."
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
 
 
-def add_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:
-    """`model` wrapped by peft with LoRA adapters from a LearnerConfig's `lora_*` fields; only the
-    adapters require grad."""
+def add_adapters(model: torch.nn.Module, lora, *, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """`model` wrapped by peft with LoRA adapters of `lora` (the `model.lora` config); only the adapters
+    require grad."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=list(cfg.lora_target_modules),
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
         bias="none",
     )
     peft_model = get_peft_model(model, config)
-    if cfg.gradient_checkpointing:  # inputs of a frozen embedding need grad for checkpointed blocks
+    if gradient_checkpointing:  # inputs of a frozen embedding need grad for checkpointed blocks
         peft_model.enable_input_require_grads()
     return peft_model
 
@@ -82,4 +82,15 @@ def merged_weights(named: Iterable[tuple[str, Tensor]], *, scale: float) -> Iter
     if pending:
         raise RuntimeError(
             f"LoRA merge: incomplete layers {sorted(pending)[:3]} (base weight, A and B expected)"
+        )
+
+
+def check_config(cfg) -> None:
+    """`model.lora.*` beyond ranges: the target modules name at least one layer (raises ConfigError)."""
+    from rlkit.config.schema import ConfigError
+
+    targets = list(cfg.model.lora.target_modules)
+    if not targets or not all(isinstance(x, str) and x for x in targets):
+        raise ConfigError(
+            f"model.lora.target_modules={targets!r} must be a non-empty list of module names, e.g. [q_proj, v_proj]"
         )

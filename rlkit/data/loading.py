@@ -1,0 +1,221 @@
+"""Loading datasets (hub / local files / the generated arithmetic set) and the train/eval split.
+
+Every source goes through `datasets.load_dataset`, so the offline arithmetic set exercises the same
+code path as GSM8K from the hub. `check_config` checks the `data.*` keys before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from rlkit.config.schema import ConfigError, DataConfig
+from rlkit.data.arithmetic import check_kinds, distinct_problems, generate_arithmetic
+from rlkit.data.prompts import TEMPLATES
+
+log = logging.getLogger(__name__)
+
+ARITHMETIC = "arithmetic"
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLKIT_CACHE", Path.home() / ".cache" / "rlkit"))
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message names the file, the 1-based line and the key."""
+
+
+def _json_rows(path: Path) -> list[str]:
+    """Check a local JSON file row by row and return where each row is (`file:line`, or `file item i`
+    for a JSON array), in the order `datasets` loads them.
+
+    pyarrow's own errors name no file and count rows from 0, and an empty file gives a bare
+    StopIteration, so every row is decoded (UTF-8) and parsed here first.
+    """
+    raw = path.read_bytes()
+    rows: list[str] = []
+    if raw.lstrip()[:1] == b"[":  # one JSON array of objects
+        try:
+            items = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise DataError(f"{path}:{line}: not UTF-8 (byte {raw[e.start]:#04x})") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg}, column {e.colno})") from None
+        for i, item in enumerate(items, 1):
+            if not isinstance(item, dict):
+                raise DataError(f"{path} item {i}: a row must be a JSON object, not {type(item).__name__}")
+            rows.append(f"{path} item {i}")
+    else:  # JSON Lines (blank lines are skipped, as pyarrow does)
+        for n, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{n}: not UTF-8 (byte {line[e.start]:#04x} at column {e.start + 1})"
+                ) from None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: malformed JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{n}: a row must be a JSON object, not {type(obj).__name__}")
+            rows.append(f"{path}:{n}")
+    if not rows:
+        raise DataError(f"{path}: the file holds no rows")
+    return rows
+
+
+def _usable(ds, cfg: DataConfig, where: list[str] | None, split: str):
+    """`ds` without the rows whose prompt is not a non-empty string or whose answer is null or empty
+    (a null question would otherwise be trained on as the text "None"); the skip is counted and logged
+    with the first few rows. Raises when no row is left."""
+    if where is not None and len(where) != len(ds):
+        where = None  # not the rows we scanned: fall back to row numbers
+    bad = []
+    for i, (q, a) in enumerate(zip(ds[cfg.prompt_key], ds[cfg.answer_key])):
+        if not isinstance(q, str) or not q.strip():
+            bad.append((i, "prompt_key", cfg.prompt_key, q))
+        elif a is None or not str(a).strip():
+            bad.append((i, "answer_key", cfg.answer_key, a))
+    if not bad:
+        return ds
+    shown = "; ".join(
+        f"{where[i] if where else f'split {split!r} row {i + 1}'}: data.{key} {col!r} is {value!r}"
+        for i, key, col, value in bad[:5]
+    )
+    if len(bad) == len(ds):
+        raise DataError(f"no usable row in split {split!r} of data.path={cfg.path!r}: {shown}")
+    log.warning(
+        "data: skipped %d of %d rows of split %r with a missing or empty prompt / answer: %s%s",
+        len(bad), len(ds), split, shown, " ..." if len(bad) > 5 else "",
+    )  # fmt: skip
+    drop = {i for i, *_ in bad}
+    return ds.select([i for i in range(len(ds)) if i not in drop])
+
+
+def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """(builder, {split: files}) for a local file or a directory of train.* / test.* files."""
+    if path.is_file():
+        builder = FILE_TYPES.get(path.suffix)
+        if builder is None:
+            raise DataError(
+                f"data.path={str(path)!r}: unknown file type {path.suffix!r}, not one of {list(FILE_TYPES)}"
+            )
+        return builder, {"train": [str(path)]}
+    files: dict[str, list[str]] = {}
+    builders = set()
+    for f in sorted(path.iterdir()):
+        if f.suffix in FILE_TYPES:
+            files.setdefault(f.stem.split(".")[0].split("-")[0], []).append(str(f))
+            builders.add(FILE_TYPES[f.suffix])
+    if not files or len(builders) != 1:
+        raise DataError(
+            f"data.path={str(path)!r}: expected train.* / test.* files of one type {list(FILE_TYPES)}"
+        )
+    return builders.pop(), files
+
+
+def load_splits(cfg: DataConfig, *, seed: int = 0):
+    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows."""
+    import datasets
+
+    path = cfg.path
+    if path == ARITHMETIC:
+        path = str(
+            generate_arithmetic(
+                cache_dir()
+                / "data"
+                / f"arithmetic-{cfg.num_train}-{cfg.num_eval}-{'-'.join(cfg.arithmetic_kinds)}",
+                num_train=cfg.num_train,
+                num_eval=cfg.num_eval,
+                kinds=tuple(cfg.arithmetic_kinds),
+            )
+        )
+    local = Path(path).expanduser()
+    where: dict[str, list[str]] = {}  # split -> where each row is, for local JSON files
+    if local.exists():
+        builder, files = _local_data_files(local)
+        if builder == "json":
+            where = {split: [w for f in fs for w in _json_rows(Path(f))] for split, fs in files.items()}
+        try:
+            ds = datasets.load_dataset(builder, data_files=files)
+        except Exception as e:  # pyarrow / pandas errors name no file
+            raise DataError(f"could not read data.path={path!r} ({files}): {type(e).__name__}: {e}") from e
+    elif path.startswith((".", "/", "~")) or Path(path).suffix in FILE_TYPES:
+        raise FileNotFoundError(f"data.path={path!r} does not exist")
+    else:
+        try:
+            ds = datasets.load_dataset(path, cfg.subset)
+        except Exception as e:
+            raise RuntimeError(
+                f"could not load dataset data.path={path!r} (subset {cfg.subset!r}) from the Hugging Face hub "
+                f"({type(e).__name__}: {e}). If the hub is unreachable, run offline with +recipe=quickstart, or "
+                "point data.path= at a local JSON/JSONL/Parquet file or directory (and model.path= at a local model)."
+            ) from e
+    if cfg.train_split not in ds:
+        raise DataError(f"data.train_split={cfg.train_split!r} is not one of {list(ds)}")
+    has_eval = bool(cfg.eval_split) and cfg.eval_split in ds
+    for split in [cfg.train_split] + ([cfg.eval_split] if has_eval else []):
+        for name, key in (("prompt_key", cfg.prompt_key), ("answer_key", cfg.answer_key)):
+            if key not in ds[split].column_names:
+                raise DataError(
+                    f"data.{name}={key!r} is not a column of split {split!r} of data.path={path!r}: "
+                    f"{ds[split].column_names}"
+                )
+    train = _usable(ds[cfg.train_split], cfg, where.get(cfg.train_split), cfg.train_split)
+    if has_eval:
+        eval_ds = _usable(ds[cfg.eval_split], cfg, where.get(cfg.eval_split), cfg.eval_split)
+    elif cfg.eval_size > 0:
+        if cfg.eval_size >= len(train):
+            raise DataError(
+                f"data.eval_size={cfg.eval_size} would hold out all {len(train)} usable rows of split "
+                f"{cfg.train_split!r} of data.path={path!r} (it has no data.eval_split={cfg.eval_split!r}), "
+                "leaving none to train on: use a smaller data.eval_size, or 0 for no eval"
+            )
+        split = train.train_test_split(test_size=cfg.eval_size, seed=seed, shuffle=True)
+        train, eval_ds = split["train"], split["test"]
+        log.info("no %r split: held out %d training rows for eval", cfg.eval_split, cfg.eval_size)
+    else:
+        eval_ds = train.select([])
+    eval_ds = eval_ds.select(range(min(cfg.eval_size, len(eval_ds))))
+    return train, eval_ds
+
+
+def check_config(cfg) -> None:
+    """The `data.*` keys of an `RLConfig`, before anything loads (raises ConfigError)."""
+    d = cfg.data
+    if not d.path:
+        raise ConfigError("data.path is missing: set data.path=<hub id | local file | arithmetic>")
+    if d.template not in TEMPLATES:
+        raise ConfigError(f"data.template={d.template!r} is not one of {list(TEMPLATES)}")
+    try:
+        check_kinds(d.arithmetic_kinds)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("train_split", "prompt_key", "answer_key"):
+        value = getattr(d, key)
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"data.{key}={value!r} must be a non-empty string")
+    if d.prompt_key == d.answer_key:
+        raise ConfigError(f"data.prompt_key and data.answer_key are both {d.prompt_key!r}: use two columns")
+    if d.path == ARITHMETIC:
+        size = distinct_problems(d.arithmetic_kinds)
+        if d.num_train + d.num_eval > size:
+            raise ConfigError(
+                f"data.num_train + data.num_eval = {d.num_train + d.num_eval} exceeds the {size} distinct "
+                f"problems of data.arithmetic_kinds={list(d.arithmetic_kinds)}"
+            )
+        return
+    local = Path(d.path).expanduser()
+    looks_local = d.path.startswith((".", "/", "~")) or local.suffix in FILE_TYPES
+    if looks_local and not local.exists():
+        raise ConfigError(f"data.path={d.path!r} does not exist")
+    if local.is_file() and local.suffix not in FILE_TYPES:
+        raise ConfigError(
+            f"data.path={d.path!r}: file type {local.suffix!r} is not one of {list(FILE_TYPES)}"
+        )

@@ -1,0 +1,106 @@
+"""Prompts: templating and tokenising each dataset row, length filtering, and the deterministic, resumable
+prompt order."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlkit.config.schema import DataConfig
+
+log = logging.getLogger(__name__)
+
+TEMPLATES = ("chat", "plain")
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Tokenised prompts with their reference answers (index i of every list is one problem)."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    answers: list[str]
+    messages: list[list[dict]] = field(default_factory=list)
+    """The chat messages of each prompt (system + user), before any template: a reward model renders
+    them with its own chat template."""
+    rows: list[dict] = field(default_factory=list)
+    """Every column of each prompt's dataset row."""
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def prompt_messages(question: str, cfg: DataConfig) -> list[dict]:
+    """The chat messages of one question: the optional system prompt, then the question + instruction."""
+    user = f"{question}\n{cfg.instruction}" if cfg.instruction else question
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return [*system, {"role": "user", "content": user}]
+
+
+def render_prompt(question: str, tokenizer, cfg: DataConfig) -> tuple[str, list[int]]:
+    """Prompt text and token ids for one question (chat template, or the plain template as fallback)."""
+    messages = prompt_messages(question, cfg)
+    if cfg.template == "chat" and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already contains BOS where the model wants it.
+        return text, tokenizer(text, add_special_tokens=False).input_ids
+    text = f"Question: {messages[-1]['content']}\nAnswer:"
+    return text, tokenizer(text).input_ids
+
+
+def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -> PromptSet:
+    """Template and tokenise every row; drop prompts over `cfg.max_prompt_tokens` (count logged)."""
+    if cfg.template == "chat" and not getattr(tokenizer, "chat_template", None):
+        log.warning("data.template='chat' but the tokenizer has no chat template: using the plain template")
+    ids, texts, answers, messages, rows = [], [], [], [], []
+    dropped = 0
+    for row in dataset:
+        text, tok = render_prompt(row[cfg.prompt_key], tokenizer, cfg)
+        if len(tok) > cfg.max_prompt_tokens:
+            dropped += 1
+            continue
+        ids.append(tok)
+        texts.append(text)
+        answers.append(str(row[cfg.answer_key]))
+        messages.append(prompt_messages(row[cfg.prompt_key], cfg))
+        rows.append(dict(row))
+    log.info(
+        "%s prompts: %d kept, %d dropped (longer than data.max_prompt_tokens=%d)",
+        name,
+        len(ids),
+        dropped,
+        cfg.max_prompt_tokens,
+    )
+    if not ids:
+        raise ValueError(f"no {name} prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens}")
+    return PromptSet(ids, texts, answers, messages, rows)
+
+
+class PromptOrder:
+    """A deterministic, endless prompt order: epoch e is a permutation seeded by (seed, e).
+
+    The whole state is `position` (prompts consumed so far over all ranks), so resuming is setting it.
+    """
+
+    def __init__(self, num_prompts: int, seed: int, position: int = 0):
+        self.num_prompts = num_prompts
+        self.seed = seed
+        self.position = position
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def next(self, count: int) -> list[int]:
+        """The next `count` prompt indices (the global batch; ranks slice their share)."""
+        out = []
+        for i in range(self.position, self.position + count):
+            out.append(int(self._permutation(i // self.num_prompts)[i % self.num_prompts]))
+        self.position += count
+        return out

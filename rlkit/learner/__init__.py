@@ -1,0 +1,19 @@
+"""The learner: strategy (accelerate: FSDP2 / DDP / none), batching (micro-batches, packing), log-probs
+(chunked head), loss assembly, optimizer step, LoRA and checkpoint I/O; learner.py is the facade.
+
+It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the weights leave as an
+`rlkit.weights.Export`.
+"""
+
+from rlkit.learner.learner import Learner, LogProbs
+
+__all__ = ["Learner", "LogProbs", "check_config"]
+
+
+def check_config(cfg) -> None:
+    """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule, model.lora.*)."""
+    from rlkit.learner import lora, optim, strategy
+
+    strategy.check_config(cfg)
+    optim.check_config(cfg)
+    lora.check_config(cfg)

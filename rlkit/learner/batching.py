@@ -1,0 +1,230 @@
+"""How the learner lays rows out: token-budget micro-batches (padded or packed), the model inputs of one
+micro-batch and where each scored token's prediction sits, padding micro-batches, and the mini-batch plan
+with its global loss denominators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlkit.batch import Sequences, TrainBatch
+from rlkit.collectives import all_reduce
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """[N, L] -> [N, L] long: cumsum(mask) - 1 clipped at 0, as HF `generate` numbers left-padded rows."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pack_microbatches(
+    prompt_lens: list[int], response_lens: list[int], max_tokens: int, *, padded: bool = True
+) -> list[list[int]]:
+    """Greedy packing of rows into micro-batches whose size fits `max_tokens`.
+
+    The size is what the model sees: with `padded`, rows x (longest prompt + longest response) (the
+    tensor after trimming); without, the real tokens, sum of (prompt + response) (one packed
+    sequence). Rows are taken longest first and appended to the current bin while the size stays
+    within budget; a row longer than the budget gets a bin of its own.
+    Returns lists of row indices (each sorted ascending).
+    """
+    order = sorted(range(len(prompt_lens)), key=lambda i: prompt_lens[i] + response_lens[i], reverse=True)
+    bins: list[list[int]] = []
+    cur: list[int] = []
+    max_p = max_r = real = 0
+    for i in order:
+        p, r = max(max_p, prompt_lens[i]), max(max_r, response_lens[i])
+        size = (len(cur) + 1) * (p + r) if padded else real + prompt_lens[i] + response_lens[i]
+        if cur and size > max_tokens:
+            bins.append(sorted(cur))
+            cur, p, r, real = [], prompt_lens[i], response_lens[i], 0
+        cur.append(i)
+        max_p, max_r, real = p, r, real + prompt_lens[i] + response_lens[i]
+    if cur:
+        bins.append(sorted(cur))
+    return bins
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch: its rows (a TrainBatch or Sequences), where they came from, and the trimmed widths."""
+
+    batch: TrainBatch | Sequences
+    rows: Tensor | None
+    """Row indices into the (mini-)batch; None for a padding micro-batch."""
+    prompt_len: int
+    response_len: int
+    lens: tuple[tuple[int, int], ...]
+    """Each row's (prompt length, response extent), host ints: the packed layout and the scored positions."""
+
+    @property
+    def padding(self) -> bool:
+        return self.rows is None
+
+
+def row_lengths(prompt_mask: Tensor, response_mask: Tensor) -> tuple[list[int], list[int]]:
+    """Host lists of each row's prompt length and response extent (last True + 1). One host sync."""
+    cols = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    extent = (response_mask.bool() * cols).amax(-1) if response_mask.shape[1] else response_mask.sum(-1)
+    both = torch.stack([prompt_mask.sum(-1).long(), extent.long()]).cpu()
+    return both[0].tolist(), both[1].tolist()
+
+
+def microbatches(batch, max_tokens: int, *, skip_empty: bool = False, packed: bool = False) -> list[Micro]:
+    """Pack `batch`'s rows into token-budget micro-batches, each trimmed to its own widths.
+
+    With `skip_empty`, rows without a single loss token (zero-std groups, rejected samples) are left
+    out: every loss term is a masked sum, so they would add exactly zero to the loss and its gradient,
+    at the full price of a forward and backward pass.
+    """
+    plens, rlens = row_lengths(batch.prompt_mask, batch.response_mask)
+    keep = [i for i, r in enumerate(rlens) if r > 0 or not skip_empty]
+    micros = []
+    bins = pack_microbatches(
+        [plens[i] for i in keep], [rlens[i] for i in keep], max_tokens, padded=not packed
+    )
+    for b in bins:
+        rows = [keep[j] for j in b]
+        idx = torch.tensor(rows, dtype=torch.long, device=batch.response_ids.device)
+        # At least one prompt column (the logit of response token 0 sits there) and one response column.
+        p = max(1, max(plens[i] for i in rows))
+        t = max(1, max(rlens[i] for i in rows))
+        micros.append(Micro(batch.select(idx), idx, p, t, tuple((plens[i], rlens[i]) for i in rows)))
+    return micros
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Model inputs of one micro-batch and where each scored token's prediction sits.
+
+    The model output at columns `cols` of every row, flattened, then indexed by `take`, gives one
+    prediction per scored token [M], in the order of `targets`; `rows` / `pos` place it in the
+    micro-batch's [n, t] response grid (every position before the row's response extent, at least one).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor | None
+    position_ids: Tensor
+    cols: Tensor
+    take: Tensor
+    targets: Tensor
+    rows: Tensor
+    pos: Tensor
+    shape: tuple[int, int]
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """[M] -> [n, t], 0 at positions not scored (differentiable, out of place)."""
+        out = torch.zeros(self.shape, dtype=values.dtype, device=values.device)
+        return out.index_put((self.rows, self.pos), values)
+
+
+def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
+    """Padded: [n, P+t] with left-padded prompts (as today's HF generate numbers them). Packed: one
+    [1, sum of real tokens] sequence, position ids restarting at 0 on each row and no attention mask,
+    so transformers' mask builders (sdpa, eager, flex) and flash-attention's varlen path keep attention
+    inside each row (they detect the restarts in position_ids)."""
+    p_max, t, b = m.prompt_len, m.response_len, m.batch
+    scored = [max(1, r) for _, r in m.lens]
+    rows = torch.repeat_interleave(torch.arange(len(scored)), torch.tensor(scored))
+    pos = torch.cat([torch.arange(r) for r in scored])
+    targets = b.response_ids[:, :t].to(device)[rows.to(device), pos.to(device)]
+    if not packed:
+        targets_full = b.response_ids[:, :t].to(device)
+        input_ids = torch.cat([b.prompt_ids[:, -p_max:].to(device), targets_full], 1)
+        prompt_mask = b.prompt_mask[:, -p_max:].to(device, torch.long)
+        # The response part of the mask is all ones: responses are right-padded, so under causal
+        # attention no real token attends to a padding token after it, and a loss mask with holes
+        # (masked tokens inside a response) must not change what the model sees.
+        attn = torch.cat([prompt_mask, torch.ones_like(targets_full)], 1)
+        cols = torch.arange(p_max - 1, p_max - 1 + t)
+        take = rows * t + pos
+        pos_ids = position_ids_from_mask(attn)
+    else:
+        ids, starts = [], []
+        offset = 0
+        for i, ((p, _), r) in enumerate(zip(m.lens, scored)):
+            p = max(1, p)
+            ids += [b.prompt_ids[i, -p:], b.response_ids[i, :r]]
+            starts.append(offset + p - 1)
+            offset += p + r
+        input_ids = torch.cat(ids).to(device)[None]
+        attn = None
+        lengths = torch.tensor([max(1, p) + r for (p, _), r in zip(m.lens, scored)])
+        pos_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        cols = torch.tensor(starts)[rows] + pos
+        take = torch.arange(len(cols))
+    dev = dict(device=device)
+    return Inputs(
+        input_ids,
+        attn,
+        pos_ids,
+        cols.to(**dev),
+        take.to(**dev),
+        targets,
+        rows.to(**dev),
+        pos.to(**dev),
+        (len(scored), t),
+    )
+
+
+def padding_micro(batch) -> Micro:
+    """A padding micro-batch built generically: every field of `batch`'s first row, loss mask 0."""
+    return Micro(batch.padding_like(1), None, 1, 1, ((1, 1),))
+
+
+def local_counts(mb: TrainBatch | None, device) -> Tensor:
+    """[loss tokens, rows with a loss token, rows, real prompt+response tokens] of a mini-batch."""
+    if mb is None:
+        return torch.zeros(4, dtype=torch.float64, device=device)
+    mask = mb.response_mask.bool()
+    real = mb.prompt_mask.sum() + mask.sum()
+    counts = [mask.sum(), mask.any(-1).sum(), torch.tensor(mask.shape[0]), real]
+    return torch.stack([x.to(device, torch.float64) for x in counts])
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One mini-batch of this rank: its micro-batches (padding ones included, so every rank runs the same
+    number) and the loss denominators over the whole global mini-batch."""
+
+    micros: list[Micro]
+    num_tokens: Tensor
+    """Loss tokens of the global mini-batch (token-mean's denominator)."""
+    num_seqs: Tensor
+    """Rows of the global mini-batch the sequence means divide by."""
+    processed: Tensor
+    """Real prompt + response tokens of this mini-batch on all ranks."""
+    norm_len: int
+    """seq-mean-token-sum-norm's length constant."""
+
+
+def plan_minibatches(
+    batch: TrainBatch, mini_batches: int, *, max_tokens: int, packed: bool, agg_mode: str, norm_len: int | None,
+    world: int, device,
+) -> list[MiniBatch]:  # fmt: skip
+    """This rank's rows split into `mini_batches` mini-batches of token-budget micro-batches.
+
+    All collectives of the update's bookkeeping happen here, once: MAX of the micro-batch counts (so every
+    rank runs the same number) and SUM of the loss denominators, per mini-batch.
+    """
+    chunks = torch.arange(batch.num_samples).tensor_split(mini_batches)
+    minis = [batch.select(idx) if len(idx) else None for idx in chunks]
+    micros = [
+        microbatches(mb, max_tokens, skip_empty=True, packed=packed) if mb is not None else [] for mb in minis
+    ]
+    local = torch.stack([local_counts(mb, device) for mb in minis])
+    sums = all_reduce(local, world)
+    local_max = torch.tensor(
+        [[len(ms), mb.response_ids.shape[1] if mb is not None else 0] for ms, mb in zip(micros, minis)],
+        device=device,
+    )
+    maxes = all_reduce(local_max, world, op=dist.ReduceOp.MAX).tolist()
+    plans = []
+    for ms, s, (count, width) in zip(micros, sums, maxes):
+        ms = ms + [padding_micro(batch)] * (max(1, count) - len(ms))
+        # seq-mean-token-sum-norm divides by all rows, the seq-mean modes by rows with a loss token.
+        rows = s[2] if agg_mode == "seq-mean-token-sum-norm" else s[1]
+        plans.append(MiniBatch(ms, s[0], rows, s[3], norm_len if norm_len is not None else max(1, width)))
+    return plans

@@ -1,0 +1,365 @@
+"""The learner: scores rollouts and updates the policy (a thin facade over this package's modules).
+
+One `update(batch)` call, top to bottom:
+
+1. check that the batch carries every field the configured loss needs (before any collective, so a
+   misconfigured run fails with a message on every rank instead of hanging inside an all-reduce);
+2. recompute old log-probs if the update is off-policy (more than one optimizer step per batch);
+3. split the local rows into `algo.mini_batches` mini-batches of token-budget micro-batches and reduce
+   the micro-batch counts (MAX) and the loss denominators (SUM) once (batching.py);
+4. for each epoch and mini-batch: run every micro-batch (padding ones included, so each rank runs the
+   same number), assemble its loss with the GLOBAL denominators (loss.py), backward, then clip, step
+   and schedule (optim.py).
+
+Why global denominators: `token-mean` over a mini-batch split into micro-batches on several ranks is
+sum(loss * mask) / (tokens in the whole mini-batch on all ranks). Each micro-batch divides its own sum by
+that global count, and the data-parallel wrapper's gradient averaging over ranks is undone by multiplying
+by the world size, so the accumulated gradient equals the gradient of the full-batch loss.
+
+Models: the policy is any causal LM transformers loads (through `rlkit.models`); the frozen reference
+(only when `algo.kl_coef > 0`) is a second copy of the initial policy in the compute dtype, sharded like
+the policy under FSDP2 (a full copy per rank otherwise; with LoRA the policy with adapters off); the PPO
+critic (`algo.value_model`) is `AutoModelForTokenClassification` with one label on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlkit.batch import Sequences, TrainBatch
+from rlkit.collectives import all_reduce
+from rlkit.learner import checkpoint, optim
+from rlkit.learner.batching import (
+    Micro,
+    MiniBatch,
+    microbatches,
+    model_inputs,
+    padding_micro,
+    plan_minibatches,
+)
+from rlkit.learner.logprobs import critic_values, score
+from rlkit.learner.loss import micro_loss
+from rlkit.learner.strategy import make_accelerator
+from rlkit.metrics import MetricMerger
+from rlkit.weights import Export, iter_full_parameters, module_manifest
+
+
+@dataclass
+class LogProbs:
+    """What `Learner.forward` returns; each tensor [N, T] float32, detached, 0 where response_mask is False."""
+
+    logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+def _load_value_model(path: str):
+    """Backbone + Linear(hidden, 1) head: transformers' token-classification model with one label."""
+    from transformers import AutoModelForTokenClassification
+
+    from rlkit.models import resolve_model
+
+    resolved, gguf_file = resolve_model(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForTokenClassification.from_pretrained(
+        resolved, num_labels=1, dtype=torch.float32, **kwargs
+    )
+    model.config.use_cache = False
+    return model
+
+
+class Learner:
+    """Owns the policy (and optional reference / critic), the optimizer and the LR schedule.
+
+    `cfg` is the run's `RLConfig`; what the learner derives from it is computed once, here.
+    """
+
+    def __init__(self, cfg, accelerator=None):
+        from accelerate.utils import set_seed
+
+        from rlkit.models import load_causal_lm
+
+        a, t, m = cfg.algo, cfg.trainer, cfg.model
+        self.cfg, self.algo = cfg, a
+        self.total_steps = t.steps * a.ppo_epochs * a.mini_batches  # optimizer steps of the run
+        self.off_policy = a.ppo_epochs * a.mini_batches > 1  # later steps are off-policy against the sampler
+        self.kl_coef = 0.0 if a.kl_in_reward else a.kl_coef  # the KL loss term's coefficient
+        self.norm_len = a.norm_len if a.norm_len is not None else cfg.rollout.max_new_tokens
+        self.max_grad_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+        self.accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
+        set_seed(t.seed)
+        acc = self.accelerator
+        self.device = acc.device
+        self.world_size = acc.num_processes
+        self.compute_dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32
+
+        self.lora = m.lora.rank > 0
+        # fp32 master weights; accelerate casts compute to bf16 under mixed precision. With LoRA only
+        # the adapters train: the frozen base is loaded in the compute dtype (no fp32 master copy).
+        policy = load_causal_lm(
+            m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu"
+        )
+        policy.config.use_cache = False
+        if m.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            from rlkit.learner.lora import add_adapters
+
+            policy = add_adapters(policy, m.lora, gradient_checkpointing=m.gradient_checkpointing)
+        self.ref_model = None
+        if a.kl_coef > 0 and not self.lora:  # LoRA: the base, adapters off
+            self.ref_model = self._prepare_frozen(
+                load_causal_lm(m.path, dtype=self.compute_dtype, device="cpu")
+            )
+
+        self.model, self.optimizer = acc.prepare(policy, optim.adamw(policy, t))
+        self.scheduler = optim.scheduler(self.optimizer, t, self.total_steps)
+        self.value_model = self.value_optimizer = self.value_scheduler = None
+        if a.value_model:
+            critic = _load_value_model(m.path)
+            if m.gradient_checkpointing:
+                critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.value_model, self.value_optimizer = acc.prepare(critic, optim.adamw(critic, t))
+            self.value_scheduler = optim.scheduler(self.value_optimizer, t, self.total_steps)
+        self.global_step = 0
+        self.manifest = self._manifest()
+
+    def _prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The frozen reference: under FSDP2 sharded like the policy (each rank holds 1/world of it and
+        all-gathers one block at a time in forward), else a full copy on this rank's device."""
+        model.requires_grad_(False)  # before sharding: accelerate upcasts only trainable params to fp32
+        model.eval()
+        if self.accelerator.is_fsdp2:
+            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+            return fsdp2_prepare_model(self.accelerator, model)
+        return model.to(self.device)
+
+    # -- forward passes ------------------------------------------------------------------------
+
+    def _scores(self, model, m: Micro, *, entropy: bool, entropy_grad: bool = False):
+        r, t = self.cfg.rollout, self.cfg.trainer
+        inp = model_inputs(m, packed=t.pack_sequences, device=self.device)
+        return score(
+            model, self.accelerator.unwrap_model(model), inp, temperature=r.temperature, top_k=r.top_k,
+            top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens, entropy=entropy, entropy_grad=entropy_grad,
+        )  # fmt: skip
+
+    def _values(self, m: Micro) -> Tensor:
+        inp = model_inputs(m, packed=self.cfg.trainer.pack_sequences, device=self.device)
+        return critic_values(self.value_model, inp)
+
+    @torch.no_grad()
+    def forward(self, batch, *, policy: bool = True, ref: bool = False, values: bool = False) -> LogProbs:
+        """Score a RolloutBatch, TrainBatch or Sequences (prompt_ids/prompt_mask/response_ids/response_mask).
+
+        Returns detached [N, T] float32 tensors, 0 where `response_mask` is False. Every rank must call
+        it (FSDP all-gathers inside); `ref=True` needs `algo.kl_coef > 0`, `values=True` needs a critic.
+        """
+        if ref and self.ref_model is None and not self.lora:
+            raise ValueError(
+                "forward(ref=True) needs a reference model; it is loaded only when algo.kl_coef > 0"
+            )
+        if values and self.value_model is None:
+            raise ValueError("forward(values=True) needs a critic; set algo.value_model=true")
+        rows = Sequences.of(batch)
+        n, t_full = rows.response_ids.shape
+        wanted = {"logprobs": policy, "entropy": policy, "ref_logprobs": ref, "values": values}
+        out = {k: torch.zeros(n, t_full, device=self.device) for k, on in wanted.items() if on}
+        t = self.cfg.trainer
+        micros = microbatches(rows, t.max_tokens_per_microbatch, packed=t.pack_sequences)
+        count = all_reduce(
+            torch.tensor([len(micros)], device=self.device), self.world_size, op=dist.ReduceOp.MAX
+        )
+        micros = micros + [padding_micro(rows)] * (int(count[0]) - len(micros))  # every rank runs as many
+        for m in micros:
+            results = {}
+            if policy:
+                results["logprobs"], results["entropy"] = self._scores(self.model, m, entropy=True)
+            if ref and self.lora:
+                with self.accelerator.unwrap_model(self.model).disable_adapter():
+                    results["ref_logprobs"], _ = self._scores(self.model, m, entropy=False)
+            elif ref:
+                results["ref_logprobs"], _ = self._scores(self.ref_model, m, entropy=False)
+            if values:
+                results["values"] = self._values(m)
+            if not m.padding:
+                keep = m.batch.response_mask[:, : m.response_len].to(self.device, torch.bool)
+                for k, v in results.items():
+                    out[k][m.rows.to(self.device), : m.response_len] = torch.where(keep, v.float(), 0.0)
+        return LogProbs(**out)
+
+    # -- update --------------------------------------------------------------------------------
+
+    def check_batch(self, batch: TrainBatch) -> None:
+        """Raise if the configured loss needs a field the batch lacks (called before any collective)."""
+        a = self.algo
+        needs = [
+            ("ref_logprobs", self.kl_coef > 0, f"algo.kl_coef={a.kl_coef} > 0"),
+            ("rollout_logprobs", a.rollout_kl_coef > 0, f"algo.rollout_kl_coef={a.rollout_kl_coef} > 0"),
+            ("values", a.value_model, "algo.value_model=true (value clipping)"),
+            ("returns", a.value_model, "algo.value_model=true (value targets)"),
+        ]
+        for name, needed, why in needs:
+            if needed and getattr(batch, name) is None:
+                raise ValueError(
+                    f"TrainBatch.{name} is None but {why} needs it; fill it in or turn that term off"
+                )
+        if batch.num_samples == 0:
+            raise ValueError(
+                "update() got a TrainBatch with 0 rows on this rank; every rank needs at least one row"
+            )
+
+    def plan(self, batch: TrainBatch, mini_batches: int) -> list[MiniBatch]:
+        """This rank's rows as `mini_batches` mini-batches of micro-batches (collectives: every rank calls it)."""
+        t = self.cfg.trainer
+        return plan_minibatches(
+            batch, mini_batches, max_tokens=t.max_tokens_per_microbatch, packed=t.pack_sequences,
+            agg_mode=self.algo.loss_agg_mode, norm_len=self.norm_len, world=self.world_size, device=self.device,
+        )  # fmt: skip
+
+    def update(self, batch: TrainBatch) -> dict[str, Tensor]:
+        """`algo.ppo_epochs` passes of `algo.mini_batches` optimizer steps over this rank's rows.
+
+        Returns metrics merged over micro-batches, mini-batches and ranks (token-weighted means; max/min
+        keys as max/min), 0-dim float32 CPU tensors, moved to the host together at the end.
+        """
+        self.check_batch(batch)
+        start = time.perf_counter()
+        if self.off_policy and batch.old_logprobs is None:
+            # The behaviour policy is the one before the first step; later steps are off-policy against it.
+            old = self.forward(batch).logprobs.to(batch.response_ids.device)
+            batch = dataclasses.replace(batch, old_logprobs=old)
+        plans = self.plan(batch, self.algo.mini_batches)
+
+        merger = MetricMerger()
+        step_metrics: list[dict[str, Tensor]] = []
+        for _ in range(self.algo.ppo_epochs):
+            for mb in plans:
+                self._accumulate(mb, merger)
+                step_metrics.append(self._optimizer_step())
+
+        result = merger.compute()
+        # With no loss token anywhere (every group zero-std), per-token statistics such as the
+        # entropy are undefined, not 0: report NaN so a plot shows a gap instead of a fake collapse.
+        # The loss parts really are 0.
+        tokens = sum(mb.num_tokens for mb in plans)
+        for k, v in result.items():
+            if not k.startswith("loss/"):
+                result[k] = torch.where(tokens > 0, v, torch.full_like(v, float("nan")))
+        for k in step_metrics[0]:
+            result[k] = torch.stack([s[k] for s in step_metrics]).mean()
+        processed = sum(mb.processed for mb in plans) * self.algo.ppo_epochs
+        result = {k: v.detach().float().cpu() for k, v in result.items()}
+        result["learner/tokens_per_s"] = torch.tensor(float(processed) / (time.perf_counter() - start))
+        return result
+
+    def accumulate_gradients(self, batch: TrainBatch) -> dict[str, Tensor]:
+        """Accumulate into `.grad` the gradient of the loss over the whole global batch, no optimizer step.
+
+        The same path as one mini-batch of `update` (gradient inspection); returns the merged metrics.
+        Call `zero_grad()` between calls.
+        """
+        self.check_batch(batch)
+        merger = MetricMerger()
+        for mb in self.plan(batch, 1):
+            self._accumulate(mb, merger)
+        return merger.compute()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.value_optimizer is not None:
+            self.value_optimizer.zero_grad(set_to_none=True)
+
+    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> None:
+        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only)."""
+        for i, m in enumerate(mb.micros):
+            with self._no_sync(last=i == len(mb.micros) - 1):
+                loss, metrics, weight = self._micro_loss(m, mb)
+                # DDP / FSDP average gradients over ranks; the loss is already this rank's share of the sum.
+                self.accelerator.backward(loss * self.world_size)
+            merger.add(metrics, weight)
+
+    def _no_sync(self, last: bool):
+        """Skip the gradient all-reduce on all but the last micro-batch of a mini-batch."""
+        stack = contextlib.ExitStack()
+        if not last:
+            for model in (self.model, self.value_model):
+                if model is not None:
+                    stack.enter_context(self.accelerator.no_sync(model))
+        return stack
+
+    def _micro_loss(self, m: Micro, mb: MiniBatch) -> tuple[Tensor, dict, Tensor]:
+        t = m.response_len
+
+        def tok(name: str) -> Tensor | None:
+            v = getattr(m.batch, name)
+            return None if v is None else v[:, :t].to(self.device)
+
+        logp, entropy = self._scores(self.model, m, entropy=True, entropy_grad=self.algo.entropy_coef > 0)
+        values = self._values(m) if self.value_model is not None else None
+        return micro_loss(
+            self.algo, self.kl_coef, tok, tok("response_mask").bool(), mb, logp, entropy, values
+        )
+
+    def _optimizer_step(self) -> dict[str, Tensor]:
+        """Clip, step, schedule and zero the grads of the policy (and critic); returns grad norms and lr."""
+        out = {}
+        out["grad_norm"], out["lr"] = optim.step(
+            self.accelerator, self.model, self.optimizer, self.scheduler, self.max_grad_norm
+        )
+        if self.value_model is not None:
+            out["value/grad_norm"], _ = optim.step(
+                self.accelerator,
+                self.value_model,
+                self.value_optimizer,
+                self.value_scheduler,
+                self.max_grad_norm,
+            )
+        self.global_step += 1
+        return {k: v.detach().float().to(self.device) for k, v in out.items()}
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+
+    def _manifest(self):
+        manifest = module_manifest(self.accelerator.unwrap_model(self.model))
+        if self.lora:  # merged weights under the base model's names
+            from rlkit.learner.lora import base_manifest
+
+            manifest = base_manifest(manifest)
+        return manifest
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of the policy, one parameter at a time; every rank must iterate it."""
+        return self.merged(iter_full_parameters(self.accelerator.unwrap_model(self.model)))
+
+    def merged(self, named: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """With LoRA the engines get merged weights under the base model's names (rlkit/learner/lora.py)."""
+        if not self.lora:
+            return named
+        from rlkit.learner.lora import merged_weights
+
+        lora = self.cfg.model.lora
+        return merged_weights(named, scale=lora.alpha / lora.rank)
+
+    def export(self) -> Export:
+        """The policy's weights as the rollout side receives them (rlkit.weights)."""
+        return Export(self.manifest, self.named_weights)
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """`dir/model` (HF format), `dir/value_model` (critic), `dir/state`; every rank must call it."""
+        checkpoint.save(self, directory)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore what `save_checkpoint` wrote; every rank must call it, with the world size of the save."""
+        checkpoint.load(self, directory)

@@ -1,0 +1,121 @@
+"""The data-parallel strategy: accelerate's `Accelerator` for FSDP2, DDP or one plain process, on CUDA or
+on CPU over gloo; the only module that sets accelerate up. `check_config` owns `model.dtype`,
+`trainer.device` and `trainer.strategy`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STRATEGIES = ("auto", "fsdp2", "ddp")  # trainer.strategy
+DEVICES = ("auto", "cpu", "cuda")  # trainer.device
+DTYPES = (
+    "float32",
+    "bfloat16",
+)  # model.dtype (float16 would need loss scaling, which the learner does not do)
+
+
+def resolve_strategy(strategy: str, *, cuda: bool, world_size: int) -> str:
+    """The data-parallel wrapper actually used: "fsdp2", "ddp" or "none".
+
+    "auto" is FSDP2 on CUDA and DDP over gloo for several CPU processes. One process has nothing to
+    shard or average: it runs plain whatever was asked (as accelerate does with one GPU).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"trainer.strategy={strategy!r} is not valid; choose one of {list(STRATEGIES)}")
+    if world_size == 1:
+        return "none"
+    if strategy == "auto":
+        return "fsdp2" if cuda else "ddp"
+    return strategy
+
+
+def make_accelerator(cfg):
+    """The accelerate `Accelerator` of `trainer.strategy` (see `resolve_strategy`), on CUDA or on CPU over gloo.
+
+    FSDP2 is accelerate's own: `prepare`, `clip_grad_norm_`, `get_state_dict`, `save_state` and
+    `load_state` run its FSDP2 branches (DTensor shards, DCP sharded checkpoints) on CPU as on CUDA.
+    accelerate 1.15 turns its FSDP plugin on only for multi-accelerator process groups, never for
+    MULTI_CPU (`AcceleratorState.__init__`). On CPU `enable_fsdp_on_cpu` therefore runs the same three
+    assignments accelerate runs for a GPU group; nothing else is patched. What differs from CUDA:
+    the collectives go over gloo instead of NCCL, and bf16 runs on the CPU's bf16 kernels.
+
+    Precision: `model.dtype=bfloat16` is fp32 master weights with bf16 compute (FSDP2's
+    MixedPrecisionPolicy; autocast under DDP on CUDA). On CPU without FSDP2 it stays fp32.
+    """
+    from datetime import timedelta
+
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+
+    cuda = torch.cuda.is_available()
+    # PartialState joins the process group (gloo on CPU) and is shared by the Accelerator built below.
+    # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
+    timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)
+    world_size = PartialState(cpu=not cuda, timeout=timeout).num_processes
+    strategy = resolve_strategy(cfg.trainer.strategy, cuda=cuda, world_size=world_size)
+    bf16 = cfg.model.dtype == "bfloat16" and (cuda or strategy == "fsdp2")
+    mixed_precision = "bf16" if bf16 else "no"
+    if strategy != "fsdp2":
+        return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    acc = Accelerator(cpu=not cuda, mixed_precision=mixed_precision, fsdp_plugin=plugin)
+    if not cuda:
+        enable_fsdp_on_cpu(acc, plugin)
+    if not acc.is_fsdp2:
+        raise RuntimeError(f"trainer.strategy=fsdp2 but accelerate chose {acc.distributed_type}")
+    return acc
+
+
+def enable_fsdp_on_cpu(acc, plugin) -> None:
+    """Switch a MULTI_CPU accelerate state to FSDP, as `AcceleratorState.__init__` does for GPU groups.
+
+    The state is shared by every Accelerator/AcceleratorState/PartialState of the process, so the
+    Accelerator's `prepare`, `clip_grad_norm_`, `get_state_dict`, `save_state` and `load_state` all
+    take their FSDP2 branches from here on.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = acc.state
+    if state.distributed_type not in (
+        DistributedType.MULTI_CPU,
+        DistributedType.FSDP,
+    ):  # FSDP: a 2nd Accelerator
+        raise RuntimeError(f"FSDP2 on CPU expects accelerate's MULTI_CPU state, got {state.distributed_type}")
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def plain(x):
+    """A DTensor (e.g. the grad norm of FSDP2-sharded grads) as its full value; other tensors unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def check_config(cfg) -> None:
+    """`model.dtype`, `trainer.device`, `trainer.strategy` (raises ConfigError)."""
+    from rlkit.config.rules import choice
+    from rlkit.config.schema import ConfigError
+
+    m, t = cfg.model, cfg.trainer
+    if m.dtype == "float16":
+        raise ConfigError(
+            "model.dtype='float16' is not supported (fp16 training needs loss scaling, which the learner "
+            f"does not do): use one of {list(DTYPES)}"
+        )
+    choice("model.dtype", m.dtype, DTYPES)
+    choice("trainer.device", t.device, DEVICES)
+    choice("trainer.strategy", t.strategy, STRATEGIES)
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.device='cuda' but no CUDA device is visible: use trainer.device=cpu or auto"
+        )

