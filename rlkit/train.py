@@ -18,8 +18,9 @@ import uuid
 import hydra
 from omegaconf import DictConfig
 
+from rlkit.collectives import free_port
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
-from rlkit.trainer import load_config
+from rlkit.trainer import load_config, run
 
 __all__ = ["compose", "load_config", "main"]
 
@@ -64,7 +65,6 @@ def _worker(config: dict) -> None:
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # Processes share the cores; without this each one starts a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    from rlkit.trainer import run
 
     run(load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
 
@@ -72,8 +72,6 @@ def _worker(config: dict) -> None:
 def launch(cfg: RLConfig, num_processes: int) -> None:
     """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from rlkit.collectives import free_port
 
     config = LaunchConfig(
         min_nodes=1,
@@ -100,8 +98,6 @@ def main_from_config(cfg: DictConfig) -> None:
     n = _default_num_processes(cfg)
     config = load_config(cfg, world_size=n)  # fail before any process starts or model loads
     if n == 1:
-        from rlkit.trainer import run
-
         run(config)
     else:
         launch(config, n)

@@ -32,14 +32,23 @@ from pathlib import Path
 
 import torch
 
-from rlkit import rundir
+from rlkit import envs, learner, rewards, rundir
 from rlkit.algos import advantages as adv
 from rlkit.algos import correction, kl
 from rlkit.batch import ScoredBatch, Sequences, TrainBatch
-from rlkit.collectives import all_gather_cat, all_reduce, broadcast_object
+from rlkit.collectives import CollectiveWatch, all_gather_cat, all_reduce, broadcast_object
 from rlkit.config.rules import choice, local_path_exists, nonempty, parse
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
+from rlkit.data import loading
+from rlkit.learner import Learner
+from rlkit.learner.strategy import make_accelerator
+from rlkit.logging import MetricsLogger
 from rlkit.metrics import MetricMerger
+from rlkit.models import load_tokenizer
+from rlkit.plots import plot_run
+from rlkit.rollout import engines, producer
+from rlkit.rollout.local import LocalRollouts
+from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.timing import Timers, peak_memory_gb
 
 log = logging.getLogger(__name__)
@@ -85,9 +94,6 @@ def check_config(cfg: RLConfig) -> None:
 
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
-    from rlkit import envs, learner, rewards
-    from rlkit.data import loading
-    from rlkit.rollout import engines, producer
 
     local_path_exists("model.path", cfg.model.path)
     for check in (
@@ -126,9 +132,6 @@ class Trainer:
     """Builds everything from the config and runs `train()`. One instance per rank."""
 
     def __init__(self, cfg: RLConfig):
-        from rlkit.learner import Learner
-        from rlkit.learner.strategy import make_accelerator
-        from rlkit.models import load_tokenizer
 
         self.cfg = cfg
         t = cfg.trainer
@@ -137,7 +140,6 @@ class Trainer:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         self.is_main = self.rank == 0
-        from rlkit.collectives import CollectiveWatch
 
         self._watch = CollectiveWatch(self.world, t.collective_timeout_s)  # names a stopped rank
         self.run_dir = Path(broadcast_object(str(Path(t.run_dir).resolve()), self.world))
@@ -151,15 +153,11 @@ class Trainer:
         self.device = self.learner.device
         # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
         if t.mode == "sync":
-            from rlkit.rollout.local import LocalRollouts
-
             self.rollouts = LocalRollouts(
                 cfg, rank=self.rank, world=self.world, device=self.device, tokenizer=self.tokenizer,
                 reward_dtype=self.learner.compute_dtype,
             )  # fmt: skip
         else:
-            from rlkit.rollout.remote.client import AsyncRollouts
-
             self.rollouts = AsyncRollouts(cfg, rank=self.rank, world=self.world, device=self.device)
 
         self.step = 0
@@ -171,8 +169,6 @@ class Trainer:
 
         self.logger = None
         if self.is_main:
-            from rlkit.logging import MetricsLogger
-
             lc = cfg.logger
             self.logger = MetricsLogger(
                 lc.backend, self.run_dir, to_dict(cfg), project=lc.project, entity=lc.entity, name=lc.name,
@@ -536,7 +532,6 @@ class Trainer:
 
     def _plot(self) -> None:
         """Curves for a user without W&B: `<run_dir>/curves.png` (redraw: scripts/plot_run.py RUN_DIR)."""
-        from rlkit.plots import plot_run
 
         try:
             out = plot_run(self.run_dir)

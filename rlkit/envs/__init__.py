@@ -22,49 +22,16 @@ from __future__ import annotations
 
 import functools
 
-from rlkit.lookup import Registry, lookup
-
-# env.name: the built-in environments (an environment module registers its classes on import).
-ENVIRONMENTS = Registry("env.name")
-
-
-class Environment:
-    """The protocol, with defaults: subclass it, or write any class with these members."""
-
-    stop: tuple[str, ...] = ()
-    """Extra stop strings of a model turn (kept in the turn), besides EOS and rollout.stop."""
-    tool_calls: int = 0
-    """Tool calls served in this episode (logged as `env/tool_calls`)."""
-
-    def reset(self, row: dict, messages: list[dict]) -> list[dict]:
-        """The episode's first messages, from its dataset row; `messages` is the dataset's prompt
-        (system + user, as data.* renders it). Returning `messages` unchanged keeps the dataset's
-        exact prompt tokens (including data.template=plain)."""
-        return messages
-
-    def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
-        """React to one model turn (its decoded text): (observation messages or None, reward, done)."""
-        raise NotImplementedError
-
-
-@ENVIRONMENTS.register("single_turn")
-class SingleTurn(Environment):
-    """The dataset's single-turn task: one model turn, then the reward functions judge it."""
-
-    def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
-        return None, 0.0, True
-
-
-def _registry() -> Registry:
-    import rlkit.envs.calculator  # noqa: F401  (registers `calculator`)
-
-    return ENVIRONMENTS
+from rlkit.config.schema import ConfigError
+from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn
+from rlkit.envs.calculator import Calculator
+from rlkit.lookup import lookup
 
 
 @functools.cache
 def resolve_env(spec: str) -> type:
     """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
-    return lookup(spec, _registry(), key="env.name", kind="Class")
+    return lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
 
 
 def make_env(spec: str, kwargs: dict | None = None):
@@ -91,8 +58,6 @@ def check_env_config(env, rollout) -> None:
 
 def check_config(cfg) -> None:
     """The `env.*` keys of an `RLConfig` (raises ConfigError before any model loads)."""
-    from rlkit.config.schema import ConfigError
-
     try:
         check_env_config(cfg.env, cfg.rollout)
     except ValueError as e:
@@ -100,6 +65,7 @@ def check_config(cfg) -> None:
 
 
 __all__ = [
+    "Calculator",
     "ENVIRONMENTS",
     "Environment",
     "SingleTurn",

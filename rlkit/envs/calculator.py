@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from rlkit.envs import ENVIRONMENTS, Environment
+from rlkit.envs.base import ENVIRONMENTS, Environment
 
 MAX_CHARS = 200
 MAX_ABS = Fraction(10) ** 30

@@ -5,6 +5,7 @@ It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the
 `rlkit.weights.Export`.
 """
 
+from rlkit.learner import lora, optim, strategy
 from rlkit.learner.learner import Learner, LogProbs
 
 __all__ = ["Learner", "LogProbs", "check_config"]
@@ -12,7 +13,6 @@ __all__ = ["Learner", "LogProbs", "check_config"]
 
 def check_config(cfg) -> None:
     """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule, model.lora.*)."""
-    from rlkit.learner import lora, optim, strategy
 
     strategy.check_config(cfg)
     optim.check_config(cfg)

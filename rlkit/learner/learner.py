@@ -47,9 +47,11 @@ from rlkit.learner.batching import (
     plan_minibatches,
 )
 from rlkit.learner.logprobs import critic_values, score
+from rlkit.learner.lora import add_adapters, base_manifest, merged_weights
 from rlkit.learner.loss import micro_loss
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
+from rlkit.models import load_causal_lm, resolve_model
 from rlkit.weights import Export, iter_full_parameters, module_manifest
 
 
@@ -66,8 +68,6 @@ class LogProbs:
 def _load_value_model(path: str):
     """Backbone + Linear(hidden, 1) head: transformers' token-classification model with one label."""
     from transformers import AutoModelForTokenClassification
-
-    from rlkit.models import resolve_model
 
     resolved, gguf_file = resolve_model(path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -86,8 +86,6 @@ class Learner:
 
     def __init__(self, cfg, accelerator=None):
         from accelerate.utils import set_seed
-
-        from rlkit.models import load_causal_lm
 
         a, t, m = cfg.algo, cfg.trainer, cfg.model
         self.cfg, self.algo = cfg, a
@@ -113,8 +111,6 @@ class Learner:
         if m.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
-            from rlkit.learner.lora import add_adapters
-
             policy = add_adapters(policy, m.lora, gradient_checkpointing=m.gradient_checkpointing)
         self.ref_model = None
         if a.kl_coef > 0 and not self.lora:  # LoRA: the base, adapters off
@@ -334,8 +330,6 @@ class Learner:
     def _manifest(self):
         manifest = module_manifest(self.accelerator.unwrap_model(self.model))
         if self.lora:  # merged weights under the base model's names
-            from rlkit.learner.lora import base_manifest
-
             manifest = base_manifest(manifest)
         return manifest
 
@@ -347,7 +341,6 @@ class Learner:
         """With LoRA the engines get merged weights under the base model's names (rlkit/learner/lora.py)."""
         if not self.lora:
             return named
-        from rlkit.learner.lora import merged_weights
 
         lora = self.cfg.model.lora
         return merged_weights(named, scale=lora.alpha / lora.rank)

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from rlkit.config.schema import ConfigError
+
 PEFT_PREFIX = "base_model.model."
 _BASE = ".base_layer."
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
@@ -87,7 +89,6 @@ def merged_weights(named: Iterable[tuple[str, Tensor]], *, scale: float) -> Iter
 
 def check_config(cfg) -> None:
     """`model.lora.*` beyond ranges: the target modules name at least one layer (raises ConfigError)."""
-    from rlkit.config.schema import ConfigError
 
     targets = list(cfg.model.lora.target_modules)
     if not targets or not all(isinstance(x, str) and x for x in targets):

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from rlkit.config.rules import choice
 from rlkit.learner.strategy import plain
 
 LR_SCHEDULES = ("constant", "cosine")  # trainer.lr_schedule
@@ -54,6 +55,5 @@ def step(accelerator, model, optimizer, scheduler, max_norm: float) -> tuple[Ten
 
 def check_config(cfg) -> None:
     """`trainer.lr_schedule` (raises ConfigError)."""
-    from rlkit.config.rules import choice
 
     choice("trainer.lr_schedule", cfg.trainer.lr_schedule, LR_SCHEDULES)

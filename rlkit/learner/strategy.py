@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from rlkit.config.rules import choice
+from rlkit.config.schema import ConfigError
+
 STRATEGIES = ("auto", "fsdp2", "ddp")  # trainer.strategy
 DEVICES = ("auto", "cpu", "cuda")  # trainer.device
 DTYPES = (
@@ -103,8 +106,6 @@ def plain(x):
 
 def check_config(cfg) -> None:
     """`model.dtype`, `trainer.device`, `trainer.strategy` (raises ConfigError)."""
-    from rlkit.config.rules import choice
-    from rlkit.config.schema import ConfigError
 
     m, t = cfg.model, cfg.trainer
     if m.dtype == "float16":

@@ -29,6 +29,9 @@ import math
 import re
 from collections.abc import Callable
 
+from rlkit.config.schema import ConfigError
+from rlkit.lookup import lookup
+
 log = logging.getLogger(__name__)
 
 _ANSWER_MARK = "####"
@@ -92,8 +95,6 @@ REGISTRY: dict[str, Callable[[str, str, str], float]] = {"math": math_reward, "f
 @functools.cache
 def resolve(spec: str) -> Callable[[str, str, str], float]:
     """A reward function from a registered name or an import path `module:fn` / `module.fn`."""
-    from rlkit.lookup import lookup
-
     return lookup(spec, REGISTRY, key="reward.fn")
 
 
@@ -186,8 +187,8 @@ def call_reward(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]
 def check_config(cfg) -> None:
     """The `reward.*` keys of an `RLConfig`: every function resolves, weights are finite, routes are
     complete (raises ConfigError before any model loads)."""
+    # rlkit.config.rules brings torch (through rlkit.algos): reward workers import this module and start fast.
     from rlkit.config.rules import local_path_exists, nonempty
-    from rlkit.config.schema import ConfigError
 
     w = cfg.reward
     nonempty("reward.fn", w.fn)

@@ -19,14 +19,14 @@ import logging
 import torch
 from torch import Tensor
 
+from rlkit.models import load_tokenizer, resolve_model
+
 log = logging.getLogger(__name__)
 
 
 class RewardModel:
     def __init__(self, path: str, *, device="cpu", dtype=torch.float32, batch_size: int = 16):
         from transformers import AutoModelForSequenceClassification
-
-        from rlkit.models import load_tokenizer, resolve_model
 
         directory, gguf_file = resolve_model(path)
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from rlkit.batch import RolloutBatch
+from rlkit.config.schema import ConfigError
 from rlkit.envs import make_env
 from rlkit.rollout.engines.base import rows_to_batch
 
@@ -103,7 +104,6 @@ def observation_ids(
 def check_multiturn_template(tokenizer, cfg, messages: list[dict]) -> None:
     """At start-up, before any model turn: an episode of several turns needs the chat template (to render
     observations) and a template that only appends (`observation_ids`); probe it on a training prompt."""
-    from rlkit.config.schema import ConfigError
 
     where = f"env.name={cfg.env.name!r} with env.max_turns={cfg.env.max_turns}"
     if cfg.data.template != "chat":

@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 
 from rlkit.batch import ScoredBatch
+from rlkit.data.loading import load_splits
+from rlkit.data.prompts import PromptOrder, build_prompts
+from rlkit.rewards import RewardScorer
+from rlkit.rewards.model import RewardModel
+from rlkit.rollout.engines import make_engine
 from rlkit.rollout.producer import Producer, sampling_seed
+from rlkit.rundir import PENDING_FILE
 from rlkit.weights import Export, push_weights
 
 
@@ -24,10 +30,6 @@ class LocalRollouts:
     """Engine, prompts, reward scorer and producer of one rank (`rank` of `world` ranks that produce)."""
 
     def __init__(self, cfg, *, rank: int, world: int, device, tokenizer, reward_dtype=torch.float32):
-        from rlkit.data.loading import load_splits
-        from rlkit.data.prompts import PromptOrder, build_prompts
-        from rlkit.rewards import RewardScorer
-        from rlkit.rollout.engines import make_engine
 
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -56,8 +58,6 @@ class LocalRollouts:
         )
         reward_model = None
         if cfg.reward.model is not None:
-            from rlkit.rewards.model import RewardModel
-
             reward_model = RewardModel(
                 cfg.reward.model, device=device, batch_size=cfg.reward.model_batch_size, dtype=reward_dtype
             )
@@ -135,8 +135,6 @@ class LocalRollouts:
 
     def load_checkpoint(self, directory, state: dict) -> None:
         from pathlib import Path
-
-        from rlkit.rundir import PENDING_FILE
 
         self.order.position = state["data_position"]
         if self.rank == 0 and (Path(directory) / PENDING_FILE).exists():

@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlkit.algos.advantages import ESTIMATORS, overlong_penalty, zero_std_groups
 from rlkit.batch import ScoredBatch
+from rlkit.config.rules import choice
+from rlkit.config.schema import ConfigError
+from rlkit.rollout.engines.base import Sampling
+from rlkit.rollout.episodes import check_multiturn_template, run_episodes
 from rlkit.rollout.scored import concat_rollouts, take_groups
 
 log = logging.getLogger(__name__)
@@ -39,7 +44,6 @@ def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
 
 def informative_groups(metric: Tensor, group_size: int) -> Tensor:
     """[N / G] bool: the groups whose `metric` is not the same for all their samples."""
-    from rlkit.algos.advantages import zero_std_groups
 
     return ~zero_std_groups(metric, group_size).reshape(-1, group_size)[:, 0]
 
@@ -76,22 +80,17 @@ class Producer:
         self.reward_model = reward_model
         route_by = cfg.reward.route_by
         if route_by is not None and prompts.rows and route_by not in prompts.rows[0]:
-            from rlkit.config.schema import ConfigError
-
             raise ConfigError(
                 f"reward.route_by={route_by!r} is not a column of the training data: {sorted(prompts.rows[0])}"
             )
         self.group_size = cfg.rollout.group_size
         self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
         if cfg.env.max_turns > 1 and cfg.env.name != "single_turn":
-            from rlkit.rollout.episodes import check_multiturn_template
-
             check_multiturn_template(self.tokenizer, cfg, prompts.messages[0] if prompts.messages else [])
 
     # -- generation ------------------------------------------------------------------------------
 
     def sampling(self, *, eval: bool = False):
-        from rlkit.rollout.engines.base import Sampling
 
         r = self.cfg.rollout
         return Sampling(
@@ -143,7 +142,6 @@ class Producer:
         one call with n=1 each, seeded by (seed, t) and, under rollout.seed_per_prompt, by each episode's
         global index, so multi-turn samples too are independent of the number of ranks.
         """
-        from rlkit.rollout.episodes import run_episodes
 
         env = self.cfg.env
 
@@ -199,8 +197,6 @@ class Producer:
                 per_fn["model"] = score
                 rewards = rewards + rw.model_weight * score
             if rw.overlong_buffer > 0:
-                from rlkit.algos.advantages import overlong_penalty
-
                 penalty = overlong_penalty(
                     rb.response_lengths, cfg.rollout.max_new_tokens, rw.overlong_buffer, rw.overlong_penalty
                 )
@@ -321,9 +317,6 @@ FILTER_METRICS = ("reward", "accuracy")  # algo.filter_metric
 
 def check_config(cfg) -> None:
     """`algo.dynamic_sampling` and `algo.filter_metric` (raises ConfigError)."""
-    from rlkit.algos.advantages import ESTIMATORS
-    from rlkit.config.rules import choice
-    from rlkit.config.schema import ConfigError
 
     a = cfg.algo
     choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)

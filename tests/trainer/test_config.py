@@ -170,7 +170,11 @@ BAD = [
     ("algo.loss_agg_mode", "mean", ["algo.loss_agg_mode='mean' is not one of"]),
     ("algo.kl_estimator", "k5", ["algo.kl_estimator='k5' is not one of ['k1', 'abs', 'k2', 'k3']"]),
     ("algo.kl_in_reward", True, ["algo.kl_in_reward=true needs token-level rewards"]),
-    ("algo.value_model", True, ["algo.value_model=true trains a critic that algo.adv_estimator='grpo' does not use", "['gae']"]),
+    (
+        "algo.value_model",
+        True,
+        ["algo.value_model=true trains a critic that algo.adv_estimator='grpo' does not use", "['gae']"],
+    ),
     ("algo.rollout_is.enabled", "maybe", ["algo.rollout_is.enabled", "maybe"]),
     ("algo.rollout_is.level", "seq", ["algo.rollout_is.level='seq' is not one of"]),
     ("algo.rollout_is.mode", "clip", ["algo.rollout_is.mode='clip' is not one of"]),

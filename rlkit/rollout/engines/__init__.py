@@ -16,12 +16,14 @@ import logging
 
 import torch
 
+from rlkit.config.schema import ConfigError
 from rlkit.lookup import Registry
 from rlkit.rollout.engines.base import RolloutEngine, Sampling
+from rlkit.rollout.engines.vllm import VLLMEngine, vllm_can_run
 
 log = logging.getLogger(__name__)
 
-# rollout.engine: name -> the engine's class, imported on demand (vllm is heavy and optional).
+# rollout.engine: name -> the engine's class (vllm itself is imported only when a VLLMEngine is built).
 ENGINES = Registry("rollout.engine")
 ENGINES.register("auto")(None)
 
@@ -35,8 +37,6 @@ def _hf():
 
 @ENGINES.register("vllm")
 def _vllm():
-    from rlkit.rollout.engines.vllm import VLLMEngine
-
     return VLLMEngine
 
 
@@ -52,10 +52,6 @@ DTYPES = {
 
 def vllm_usable(model_path: str | None = None) -> tuple[bool, str]:
     """(whether the vLLM engine can run `model_path` here, why or why not)."""
-    try:
-        from rlkit.rollout.engines.vllm import vllm_can_run
-    except Exception as e:  # a broken install raises more than ImportError (e.g. torchvision ops)
-        return False, f"vllm does not import ({type(e).__name__}: {e})"
     try:
         return vllm_can_run(model_path)
     except Exception as e:  # the check itself failed: say so, do not pretend vllm is missing
@@ -114,8 +110,6 @@ def make_engine(
 def check_config(cfg) -> None:
     """`rollout.engine` and, for the HF engine, `rollout.engine_kwargs` (raises ConfigError)."""
     import inspect
-
-    from rlkit.config.schema import ConfigError
 
     r = cfg.rollout
     try:

@@ -22,6 +22,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
+from rlkit.weights import PushGuard, check_manifest, module_manifest
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,6 @@ class HFEngine:
             raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
         self.context = getattr(model.config, "max_position_embeddings", None)
         self._sleeping = False
-        from rlkit.weights import PushGuard, module_manifest
 
         self.manifest = module_manifest(self.model)  # what a weight push must bring
         self._push_guard = PushGuard(self.name)
@@ -212,7 +212,6 @@ class HFEngine:
         a wrong shape `WeightManifestError` (a `ValueError`), an empty push `RuntimeError`; a push
         that fails after copying began leaves the engine refusing to generate until a complete push.
         """
-        from rlkit.weights import check_manifest
 
         if manifest is not None:
             check_manifest(manifest, self.manifest, engine=self.name)

@@ -31,9 +31,10 @@ import torch
 from torch import Tensor
 
 from rlkit.batch import RolloutBatch
+from rlkit.collectives import free_port
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
-from rlkit.weights import clean_param_name
+from rlkit.weights import PushGuard, check_manifest, clean_param_name, module_manifest, tied_aliases
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,6 @@ def _launcher_env() -> tuple[int, int]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from rlkit.collectives import free_port
-
         os.environ["MASTER_PORT"] = str(free_port())
     return rank, world
 
@@ -160,8 +159,13 @@ def contained_side_effects():
 
 def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
-    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512)."""
-    from vllm.platforms import current_platform
+    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512).
+
+    Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception as e:  # a broken install raises more than ImportError (e.g. torchvision ops)
+        return False, f"vllm does not import ({type(e).__name__}: {e})"
 
     kind = current_platform.device_type
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
@@ -235,8 +239,6 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         from transformers import AutoModelForCausalLM
-
-        from rlkit.weights import PushGuard, module_manifest, tied_aliases
 
         # Importing vllm and building the engine change the process (see contained_side_effects).
         with contained_side_effects():
@@ -359,7 +361,6 @@ class VLLMEngine:
         with its embedding's tensor: on CPU the head is a separately processed layer. Resets the
         prefix cache afterwards (cached KV blocks were computed with the old weights).
         """
-        from rlkit.weights import check_manifest
 
         if manifest is not None:
             check_manifest(manifest, self.manifest, engine=self.name)

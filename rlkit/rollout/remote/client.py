@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from rlkit.batch import ScoredBatch
 from rlkit.collectives import free_port
+from rlkit.config.schema import to_dict
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.remote.wire import Pending, bridge, loads
 from rlkit.rollout.remote.worker import worker_main
@@ -91,8 +92,6 @@ class AsyncRollouts:
 
     def _spawn(self) -> None:
         import multiprocessing as mp
-
-        from rlkit.config.schema import to_dict
 
         ctx = mp.get_context("spawn")
         t = self.cfg.trainer

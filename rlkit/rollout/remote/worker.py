@@ -14,8 +14,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from rlkit.config.rules import parse
+from rlkit.models import load_tokenizer
 from rlkit.rollout.engines import torch_dtype
+from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.wire import bridge, dumps
+from rlkit.timing import Timers
 from rlkit.weights import receive_weights
 
 # Launcher variables a worker must not inherit from learner rank 0 (it is rank r of its own world).
@@ -53,11 +57,6 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
         logging.basicConfig(level=logging.WARNING, format=f"[rollout worker {r}] %(levelname)s %(message)s")
         if start["threads"]:
             torch.set_num_threads(start["threads"])
-
-        from rlkit.config.rules import parse
-        from rlkit.models import load_tokenizer
-        from rlkit.rollout.local import LocalRollouts
-        from rlkit.timing import Timers
 
         # The learner checked the whole config for its ranks (and the batch split over R workers).
         cfg = parse(cfg_dict)
