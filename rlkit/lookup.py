@@ -64,6 +64,10 @@ class Registry(dict):
 
         return add
 
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(name)
+        self._props.pop(name, None)
+
     def props(self, name: str) -> dict:
         self.check(name)
         return self._props[name]

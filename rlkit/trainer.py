@@ -98,7 +98,7 @@ def preflight(cfg: RLConfig) -> None:
     local_path_exists("model.path", cfg.model.path)
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
-        producer.check_config, check_config, envs.check_config,
+        producer.check_config, check_config, envs.check_config, producer.check_inputs,
     ):  # fmt: skip
         check(cfg)
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rlkit.batch import RolloutBatch
 from rlkit.config.schema import ConfigError
-from rlkit.envs import make_env
+from rlkit.envs import SingleTurn, make_env
 from rlkit.rollout.engines.base import rows_to_batch
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,23 @@ def step_all(envs: list, texts: list[str], timeout_s: float) -> list[tuple[str, 
     return [r if r is not None else ("timeout", None) for r in results]
 
 
+def _single_turn(rb: RolloutBatch, rooms: list[int]) -> EpisodeBatch | None:
+    """The one-turn episodes of the default environment: the engine's batch as it is (tensors kept, no
+    environment step, no thread); None when a response must be cut to its room (the general path does it)."""
+    if bool((rb.response_lengths > torch.tensor(rooms)).any()):
+        return None
+    n = rb.num_samples
+    zeros = torch.zeros(n, dtype=torch.float32)
+    return EpisodeBatch(
+        rollout=rb,
+        env_rewards=zeros,
+        failed=torch.zeros(n, dtype=torch.bool),
+        stats={"turns": torch.ones(n), "tool_calls": zeros.clone(), "failed": zeros.clone()},
+        errors=0,
+        timeouts=0,
+    )
+
+
 def run_episodes(
     generate: Callable,
     tokenizer,
@@ -200,11 +217,17 @@ def run_episodes(
     errors = timeouts = 0
     gen_seconds = 0.0
     live = episodes
+    s = dataclasses.replace(sampling, max_new_tokens=min(cap, max(room(e) for e in live)), stop=stop)
+    first = generate([episodes[i * n].prompt for i in range(len(prompts))], n, s, 0, None)
+    if type(episodes[0].env) is SingleTurn:
+        single = _single_turn(first, [room(e) for e in episodes])
+        if single is not None:
+            return single
     for turn in range(max_turns):
         budget = max(room(e) for e in live)
         s = dataclasses.replace(sampling, max_new_tokens=min(cap, budget), stop=stop)
         if turn == 0:
-            rb = generate([episodes[i * n].prompt for i in range(len(prompts))], n, s, 0, None)
+            rb = first
         else:
             rb = generate([e.prompt + e.ids for e in live], 1, s, turn, [e.position for e in live])
         gen_seconds += rb.stats.get("gen_seconds", 0.0)

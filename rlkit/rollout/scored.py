@@ -93,7 +93,7 @@ def split_scored(sb: ScoredBatch, n: int) -> list[ScoredBatch]:
         rows = slice(r * per * G, (r + 1) * per * G)
         rb = take_groups(sb.rollout, list(range(r * per, (r + 1) * per)))
         if r == 0:
-            rb.stats.update(sb.rollout.stats)
+            rb = dataclasses.replace(rb, stats=dict(sb.rollout.stats))
         out.append(
             dataclasses.replace(
                 sb,

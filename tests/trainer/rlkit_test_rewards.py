@@ -2,6 +2,8 @@
 
 import time
 
+from rlkit.rewards import correct_when
+
 
 def raising(prompt, response, answer):
     if "3" in answer or len(response) % 3 == 0:
@@ -97,3 +99,14 @@ def batched_hanging(prompts, responses, answers):
 
 def non_numeric(prompt, response, answer):
     return "seven" if "7" in answer else 1.0
+
+
+def length_target(prompt, response, answer):
+    """A non-math task: full marks for an even number of characters, partial credit otherwise."""
+    return 1.0 if len(response) % 2 == 0 else 0.25
+
+
+@correct_when(lambda r: r >= 0.5)
+def lenient(prompt, response, answer):
+    """Continuous values (any spread counts for filter_metric=reward); correct from 0.5 up."""
+    return len(response) % 7 / 7.0

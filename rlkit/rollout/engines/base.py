@@ -3,6 +3,7 @@ they share (no engine imports here)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -132,9 +133,9 @@ def rows_to_batch(
 def record_throughput(batch: RolloutBatch, seconds: float) -> RolloutBatch:
     """Add the engine statistics every engine reports (`gen_tokens`, `gen_seconds`, `gen_tokens_per_s`)."""
     gen_tokens = int(batch.response_mask.sum())
-    batch.stats.update(
-        gen_tokens=float(gen_tokens),
-        gen_seconds=seconds,
-        gen_tokens_per_s=gen_tokens / max(seconds, 1e-9),
+    stats = dict(
+        gen_tokens=float(gen_tokens), gen_seconds=seconds, gen_tokens_per_s=gen_tokens / max(seconds, 1e-9)
     )
-    return batch
+    return dataclasses.replace(
+        batch, stats={**batch.stats, **stats}
+    )  # a new batch: frozen ones stay as they are
