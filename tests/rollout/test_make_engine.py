@@ -32,7 +32,7 @@ def test_auto_would_pick_vllm_for_a_supported_model(tmp_path):
 
 
 def test_unknown_engine_and_dtype_name_the_choices(tiny_ckpt):
-    with pytest.raises(ValueError, match=r"rollout.engine='sglang' is not one of \('auto', 'hf', 'vllm'\)"):
+    with pytest.raises(ValueError, match=r"rollout.engine='sglang' is not one of \['auto', 'hf', 'vllm'\]"):
         make_engine("sglang", tiny_ckpt)
     with pytest.raises(ValueError, match="dtype='float8'"):
         make_engine("hf", tiny_ckpt, dtype="float8")
