@@ -1,4 +1,5 @@
-"""Merging metrics across micro-batches and ranks, weighted by how many items each one averaged over.
+"""Step metrics: merging token statistics across micro-batches and ranks, weighted by how many items each one
+averaged over (`MetricMerger`), and the step's per-sample statistics gathered in one collective.
 
 A mean of per-micro-batch means is wrong whenever micro-batches hold different numbers of tokens (and
 padding micro-batches, which hold none, would dilute it). `MetricMerger` keeps sum(value * weight) and
@@ -13,7 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MetricMerger", "reduction"]
+from rlkit.batch import ScoredBatch
+from rlkit.collectives import all_gather_cat
+
+__all__ = ["MetricMerger", "reduction", "step_statistics", "to_host"]
 
 _MAX_SUFFIXES = ("/max", "_max")
 _MIN_SUFFIXES = ("/min", "_min")
@@ -143,3 +147,70 @@ class MetricMerger:
                 "MetricMerger.compute: ranks added different metric keys; every rank must add the same keys "
                 f"(this rank has {self.keys()})"
             )
+
+
+def step_statistics(
+    produced: ScoredBatch, mask: Tensor, zero_std: Tensor, *, staleness: int, world: int, device
+) -> dict:
+    """The step's global per-sample statistics and counters (reward, accuracy, lengths, reward terms, environment
+    counts), gathered in one collective (ranks hold equal numbers of samples); 0-dim tensors, plus
+    `gen_tokens` (the generated tokens over all ranks, for throughput)."""
+    rb = produced.rollout
+    columns = {
+        "reward": produced.rewards,
+        "correct": produced.correct,
+        "zero_std": zero_std.float(),
+        "length": mask.sum(-1).float(),
+        "clipped": torch.tensor([f == "length" for f in rb.finish_reasons], dtype=torch.float32),
+        **{f"per_fn/{k}": v for k, v in produced.per_fn.items()},
+        **{f"env/{k}": v for k, v in produced.env_stats.items()},
+    }
+    counters = {
+        "reward/errors": produced.errors, "reward/timeouts": produced.timeouts,
+        "env/errors": produced.env_errors, "env/timeouts": produced.env_timeouts,
+        "gen_tokens": rb.stats.get("gen_tokens", mask.sum()),
+    }  # fmt: skip
+    n = rb.num_samples
+    local = torch.cat(
+        [torch.stack([v.to(device, torch.float32) for v in columns.values()], 1).flatten()]
+        + [torch.tensor([float(c) for c in counters.values()], device=device)]
+    )
+    rows = all_gather_cat(local[None], world, device)  # [world, n * K + C]: the one collective
+    per_sample = rows[:, : n * len(columns)].reshape(world, n, len(columns)).flatten(0, 1)
+    col = {k: per_sample[:, i] for i, k in enumerate(columns)}
+    sums = rows[:, n * len(columns) :].sum(0)
+    count = dict(zip(counters, sums))
+    all_rewards = col["reward"]
+    stats = {
+        "reward/mean": all_rewards.mean(),
+        "reward/std": all_rewards.std(unbiased=False) if all_rewards.numel() > 1 else torch.zeros(()),
+        "reward/max": all_rewards.max(),
+        "reward/min": all_rewards.min(),
+        "accuracy": col["correct"].mean(),
+        "frac_reward_zero_std": col["zero_std"].mean(),
+        "response_length/mean": col["length"].mean(),
+        "response_length/max": col["length"].max(),
+        "response_length/clip_ratio": col["clipped"].mean(),
+        "reward/errors": count["reward/errors"],
+        "reward/timeouts": count["reward/timeouts"],
+        "gen_tokens": count["gen_tokens"],
+    }
+    for name in produced.per_fn:
+        short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn
+        stats[f"reward/{short}"] = col[f"per_fn/{name}"].mean()
+    for name in produced.env_stats:  # env/turns, env/tool_calls: means per episode
+        stats[f"env/{name}"] = col[f"env/{name}"].mean()
+    stats["env/errors"], stats["env/timeouts"] = count["env/errors"], count["env/timeouts"]
+    stats["staleness/mean"] = stats["staleness/max"] = float(staleness)
+    stats["staleness/dropped"] = 0.0
+    stats.update(produced.stats)
+    return stats
+
+
+def to_host(stats: dict) -> dict[str, float]:
+    """Every statistic (tensors or numbers) to host floats at once: one device-to-host copy."""
+    names = list(stats)
+    values = torch.stack(
+        [torch.as_tensor(stats[k], dtype=torch.float32).reshape(()).cpu() for k in names]
+    ).tolist()
+    return dict(zip(names, values))

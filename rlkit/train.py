@@ -1,7 +1,7 @@
 """`python -m rlkit.train +recipe=NAME [key=value ...]`: the command-line entry point.
 
-Composes the Hydra config (configs/ + recipes/ + overrides), validates it before any model loads, and
-runs the trainer: in this process, or in one process per GPU that it starts itself (torch's elastic
+Composes the Hydra config (configs/ + recipes/ + overrides), checks it before any model loads (`preflight`:
+the schema's rules, then every component's `check_config`), and runs the trainer: in this process, or in one process per GPU that it starts itself (torch's elastic
 launcher), or in the processes `torchrun` / `accelerate launch` started (RANK / WORLD_SIZE set).
 
     python -m rlkit.train +recipe=quickstart                      # offline, CPU
@@ -18,16 +18,38 @@ import uuid
 import hydra
 from omegaconf import DictConfig
 
+from rlkit import envs, learner, rewards, trainer
 from rlkit.collectives import free_port
+from rlkit.config.rules import local_path_exists, parse
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
-from rlkit.trainer import load_config, run
+from rlkit.data import loading
+from rlkit.rollout import engines, producer
+from rlkit.trainer import run
 
-__all__ = ["compose", "load_config", "main"]
+__all__ = ["compose", "load_config", "main", "preflight"]
 
 log = logging.getLogger(__name__)
 
 # Recipes (recipes/*.yaml) become the Hydra group `recipe`, so `+recipe=NAME` works from any folder.
 register_configs()
+
+
+def preflight(cfg: RLConfig) -> None:
+    """Every component checks the keys it owns, before any process starts or any model loads."""
+
+    local_path_exists("model.path", cfg.model.path)
+    for check in (
+        loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
+        producer.check_config, trainer.check_config, envs.check_config, producer.check_inputs,
+    ):  # fmt: skip
+        check(cfg)
+
+
+def load_config(cfg, *, world_size: int = 1) -> RLConfig:
+    """Composed Hydra config -> checked `RLConfig`: the schema's rules, then every component's `check_config`."""
+    config = parse(cfg, world_size=world_size)
+    preflight(config)
+    return config
 
 
 def compose(overrides: list[str] | None = None) -> DictConfig:

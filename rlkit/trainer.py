@@ -15,8 +15,8 @@
 
 Every rank runs the same code on its own prompts; per-sample statistics are gathered across ranks in one
 collective and token statistics merged by token counts, so the logged numbers describe the global batch.
-`preflight` checks the whole configuration, component by component, before any process starts or any
-model loads.
+`check_config` checks the keys the loop owns; rlkit.train's preflight calls it with every other
+component's before any process starts or any model loads.
 """
 
 from __future__ import annotations
@@ -32,21 +32,19 @@ from pathlib import Path
 
 import torch
 
-from rlkit import envs, learner, rewards, rundir
+from rlkit import rundir
 from rlkit.algos import advantages as adv
 from rlkit.algos import correction, kl
 from rlkit.batch import ScoredBatch, Sequences, TrainBatch
-from rlkit.collectives import CollectiveWatch, all_gather_cat, all_reduce, broadcast_object
-from rlkit.config.rules import choice, local_path_exists, nonempty, parse
+from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
+from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.data import loading
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
-from rlkit.metrics import MetricMerger
+from rlkit.metrics import MetricMerger, step_statistics, to_host
 from rlkit.models import load_tokenizer
 from rlkit.plots import plot_run
-from rlkit.rollout import engines, producer
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.timing import Timers, peak_memory_gb
@@ -90,24 +88,6 @@ def check_config(cfg: RLConfig) -> None:
             "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
             "are trained without the behaviour-policy correction of decoupled PPO", t.max_staleness,
         )  # fmt: skip
-
-
-def preflight(cfg: RLConfig) -> None:
-    """Every component checks the keys it owns, before any process starts or any model loads."""
-
-    local_path_exists("model.path", cfg.model.path)
-    for check in (
-        loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
-        producer.check_config, check_config, envs.check_config, producer.check_inputs,
-    ):  # fmt: skip
-        check(cfg)
-
-
-def load_config(cfg, *, world_size: int = 1) -> RLConfig:
-    """Composed Hydra config -> checked `RLConfig`: the schema's rules, then every component's `check_config`."""
-    config = parse(cfg, world_size=world_size)
-    preflight(config)
-    return config
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -227,10 +207,27 @@ class Trainer:
         with timers("weight_push"):
             version = self.step + 1
             push_stats = self.rollouts.push(self.learner.export(), version, evaluate=self._eval_due(version))
-        stats = self._step_stats(produced, mask, zero_std)
+        # Policy versions between the weights that generated the batch and the ones it trains (async).
+        staleness = self.step - produced.policy_version
+        stats = step_statistics(
+            produced, mask, zero_std, staleness=staleness, world=self.world, device=self.device
+        )
         stats.update(token_metrics.compute())
         stats.update(update_metrics)
-        return self._finish_metrics(stats, produced, timers, step_start, push_stats)
+        metrics = to_host(stats)
+        tokens = metrics.pop("gen_tokens")
+        metrics.update(timers.seconds)
+        elapsed = time.perf_counter() - step_start
+        metrics["timing/step_s"] = elapsed
+        metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        metrics["perf/gen_tokens_per_s"] = tokens / max(timers.seconds["timing/generate_s"], 1e-9)
+        metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
+        metrics["perf/peak_memory_gb"] = peak_memory_gb()
+        if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
+            for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
+                if key in metrics:
+                    metrics[f"{key}/staleness_{staleness}"] = metrics[key]
+        return metrics
 
     def _score(self, rb, mask, token_metrics: MetricMerger) -> Scored:
         """3. log-probs. The whole batch needs the current policy's log-probs when the update uses them (IS
@@ -314,82 +311,6 @@ class Trainer:
             returns=returns,
         )
         return self.learner.update(batch)
-
-    def _step_stats(self, produced: ScoredBatch, mask, zero_std) -> dict:
-        """Global per-sample statistics and counters, in one collective (ranks hold equal numbers of samples)."""
-        rb = produced.rollout
-        columns = {
-            "reward": produced.rewards,
-            "correct": produced.correct,
-            "zero_std": zero_std.float(),
-            "length": mask.sum(-1).float(),
-            "clipped": torch.tensor([f == "length" for f in rb.finish_reasons], dtype=torch.float32),
-            **{f"per_fn/{k}": v for k, v in produced.per_fn.items()},
-            **{f"env/{k}": v for k, v in produced.env_stats.items()},
-        }
-        counters = {
-            "reward/errors": produced.errors, "reward/timeouts": produced.timeouts,
-            "env/errors": produced.env_errors, "env/timeouts": produced.env_timeouts,
-            "gen_tokens": rb.stats.get("gen_tokens", mask.sum()),
-        }  # fmt: skip
-        n = rb.num_samples
-        local = torch.cat(
-            [torch.stack([v.to(self.device, torch.float32) for v in columns.values()], 1).flatten()]
-            + [torch.tensor([float(c) for c in counters.values()], device=self.device)]
-        )
-        rows = all_gather_cat(local[None], self.world, self.device)  # [world, n * K + C]: the one collective
-        per_sample = rows[:, : n * len(columns)].reshape(self.world, n, len(columns)).flatten(0, 1)
-        col = {k: per_sample[:, i] for i, k in enumerate(columns)}
-        sums = rows[:, n * len(columns) :].sum(0)
-        count = dict(zip(counters, sums))
-        all_rewards = col["reward"]
-        stats = {
-            "reward/mean": all_rewards.mean(),
-            "reward/std": all_rewards.std(unbiased=False) if all_rewards.numel() > 1 else torch.zeros(()),
-            "reward/max": all_rewards.max(),
-            "reward/min": all_rewards.min(),
-            "accuracy": col["correct"].mean(),
-            "frac_reward_zero_std": col["zero_std"].mean(),
-            "response_length/mean": col["length"].mean(),
-            "response_length/max": col["length"].max(),
-            "response_length/clip_ratio": col["clipped"].mean(),
-            "reward/errors": count["reward/errors"],
-            "reward/timeouts": count["reward/timeouts"],
-            "gen_tokens": count["gen_tokens"],
-        }
-        for name in produced.per_fn:
-            short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn
-            stats[f"reward/{short}"] = col[f"per_fn/{name}"].mean()
-        for name in produced.env_stats:  # env/turns, env/tool_calls: means per episode
-            stats[f"env/{name}"] = col[f"env/{name}"].mean()
-        stats["env/errors"], stats["env/timeouts"] = count["env/errors"], count["env/timeouts"]
-        # Policy versions between the weights that generated the batch and the ones it trains (async).
-        stats["staleness/mean"] = stats["staleness/max"] = float(self.step - produced.policy_version)
-        stats["staleness/dropped"] = 0.0
-        stats.update(produced.stats)
-        return stats
-
-    def _finish_metrics(self, stats: dict, produced, timers: Timers, step_start: float, push_stats) -> dict:
-        """Every statistic to the host at once, plus timings and throughput."""
-        names = list(stats)
-        values = torch.stack(
-            [torch.as_tensor(stats[k], dtype=torch.float32).reshape(()).cpu() for k in names]
-        ).tolist()
-        metrics = dict(zip(names, values))
-        tokens = metrics.pop("gen_tokens")
-        metrics.update(timers.seconds)
-        elapsed = time.perf_counter() - step_start
-        metrics["timing/step_s"] = elapsed
-        metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-        metrics["perf/gen_tokens_per_s"] = tokens / max(timers.seconds["timing/generate_s"], 1e-9)
-        metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
-        metrics["perf/peak_memory_gb"] = peak_memory_gb()
-        if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
-            lag = int(metrics["staleness/max"])
-            for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
-                if key in metrics:
-                    metrics[f"{key}/staleness_{lag}"] = metrics[key]
-        return metrics
 
     def _check_weight_sync(self, metrics: dict[str, float], *, after_push: bool) -> None:
         value = metrics.get("mismatch/kl")

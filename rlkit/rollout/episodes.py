@@ -168,6 +168,102 @@ def _single_turn(rb: RolloutBatch, rooms: list[int]) -> EpisodeBatch | None:
     )
 
 
+def _start(prompts, messages, rows, n, env_name, env_kwargs, tokenizer, first_position) -> list[Episode]:
+    """n episodes per prompt, each with its own environment, reset from the prompt's dataset row."""
+    episodes: list[Episode] = []
+    for i, (ids, msgs, row) in enumerate(zip(prompts, messages, rows)):
+        envs = [make_env(env_name, env_kwargs) for _ in range(n)]
+        # Every episode's env is reset (it may keep state from the row); the G episodes of a row share
+        # one first prompt, so reset must be a function of the row.
+        firsts = [env.reset(row, msgs) for env in envs]
+        if firsts[0] != msgs:
+            ids = tokenizer.apply_chat_template(firsts[0], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(ids, add_special_tokens=False).input_ids
+        for j, env in enumerate(envs):
+            episodes.append(Episode(list(ids), list(firsts[0]), env, (first_position + i) * n + j))
+    return episodes
+
+
+def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[Episode]:
+    """Append each live episode's sampled turn (cut to its room); returns the episodes whose environment
+    steps next (a turn cut by the token budget ends its episode without a step)."""
+    lengths = rb.response_lengths.tolist()
+    stepping = []
+    for k, e in enumerate(live):
+        toks = rb.response_ids[k, : lengths[k]].tolist()
+        lps = rb.rollout_logprobs[k, : lengths[k]].tolist()
+        finish, limit = rb.finish_reasons[k], room(e)
+        if len(toks) > limit:  # the shared call's cap is the largest room; this episode has less
+            toks, lps, finish = toks[:limit], lps[:limit], "length"
+        e.ids += toks
+        e.logprobs += lps
+        e.model += [True] * len(toks)
+        text = (
+            rb.response_texts[k]
+            if len(toks) == lengths[k]
+            else tokenizer.decode(toks, skip_special_tokens=True)
+        )
+        e.texts.append(text)
+        e.turns += 1
+        e.finish = finish
+        if finish == "length":
+            e.done = True
+        else:
+            stepping.append(e)
+    return stepping
+
+
+def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids: set[int]) -> None:
+    """Apply one successful environment step: its reward, and its observation appended as context tokens."""
+    obs, reward, done = out
+    e.reward += reward
+    history = list(e.messages)
+    e.messages += [{"role": "assistant", "content": e.texts[-1]}, *(obs or [])]
+    if done or e.turns >= max_turns:
+        e.done = True
+        return
+    eos = tokenizer.decode([e.ids[-1]]) if e.ids and e.ids[-1] in eos_ids else None
+    extra = observation_ids(tokenizer, history, obs or [], eos)
+    if len(extra) >= room(e):  # no room for the observation and one more model token
+        e.done, e.finish = True, "length"
+        return
+    e.ids += extra
+    e.logprobs += [0.0] * len(extra)
+    e.model += [False] * len(extra)
+
+
+def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, errors: int, timeouts: int):
+    """The finished episodes as an EpisodeBatch (observation tokens out of the response mask)."""
+    batch = rows_to_batch(
+        [e.prompt for e in episodes],
+        [(e.ids, e.logprobs, e.finish) for e in episodes],
+        [e.texts[-1] for e in episodes],
+        n,
+        pad_id,
+    )
+    model_mask = torch.zeros_like(batch.response_mask)
+    for r, e in enumerate(episodes):
+        model_mask[r, : len(e.model)] = torch.tensor(e.model, dtype=torch.bool)
+    gen_tokens = float(model_mask.sum())
+    stats = {
+        "gen_tokens": gen_tokens,
+        "gen_seconds": gen_seconds,
+        "gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
+    }
+    return EpisodeBatch(
+        rollout=dataclasses.replace(batch, response_mask=model_mask, stats=stats),
+        env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+        failed=torch.tensor([e.failed is not None for e in episodes], dtype=torch.bool),
+        stats={
+            "turns": torch.tensor([float(e.turns) for e in episodes]),
+            "tool_calls": torch.tensor([float(getattr(e.env, "tool_calls", 0)) for e in episodes]),
+            "failed": torch.tensor([float(e.failed is not None) for e in episodes]),
+        },
+        errors=errors,
+        timeouts=timeouts,
+    )
+
+
 def run_episodes(
     generate: Callable,
     tokenizer,
@@ -192,21 +288,10 @@ def run_episodes(
     `generate(prompts, n, sampling, turn, positions) -> RolloutBatch` samples one turn (the caller
     seeds it); `positions` are the global indices of the episodes (turns after the first).
     """
-    episodes: list[Episode] = []
-    for i, (ids, msgs, row) in enumerate(zip(prompts, messages, rows)):
-        envs = [make_env(env_name, env_kwargs) for _ in range(n)]
-        # Every episode's env is reset (it may keep state from the row); the G episodes of a row share
-        # one first prompt, so reset must be a function of the row.
-        firsts = [env.reset(row, msgs) for env in envs]
-        if firsts[0] != msgs:
-            ids = tokenizer.apply_chat_template(firsts[0], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(ids, add_special_tokens=False).input_ids
-        for j, env in enumerate(envs):
-            episodes.append(Episode(list(ids), list(firsts[0]), env, (first_position + i) * n + j))
+    episodes = _start(prompts, messages, rows, n, env_name, env_kwargs, tokenizer, first_position)
     stop = tuple(sampling.stop) + tuple(
         s for s in getattr(episodes[0].env, "stop", ()) if s not in sampling.stop
     )
-    cap = sampling.max_new_tokens
 
     def room(e: Episode) -> int:
         left = max_total_tokens - len(e.ids)
@@ -217,99 +302,30 @@ def run_episodes(
     errors = timeouts = 0
     gen_seconds = 0.0
     live = episodes
-    s = dataclasses.replace(sampling, max_new_tokens=min(cap, max(room(e) for e in live)), stop=stop)
-    first = generate([episodes[i * n].prompt for i in range(len(prompts))], n, s, 0, None)
-    if type(episodes[0].env) is SingleTurn:
-        single = _single_turn(first, [room(e) for e in episodes])
-        if single is not None:
-            return single
     for turn in range(max_turns):
-        budget = max(room(e) for e in live)
-        s = dataclasses.replace(sampling, max_new_tokens=min(cap, budget), stop=stop)
+        s = dataclasses.replace(
+            sampling, max_new_tokens=min(sampling.max_new_tokens, max(map(room, live))), stop=stop
+        )
         if turn == 0:
-            rb = first
+            rb = generate([episodes[i * n].prompt for i in range(len(prompts))], n, s, 0, None)
+            if type(episodes[0].env) is SingleTurn and (
+                single := _single_turn(rb, [room(e) for e in episodes])
+            ):
+                return single
         else:
             rb = generate([e.prompt + e.ids for e in live], 1, s, turn, [e.position for e in live])
         gen_seconds += rb.stats.get("gen_seconds", 0.0)
-        lengths = rb.response_lengths.tolist()
-        stepping = []
-        for k, e in enumerate(live):
-            toks = rb.response_ids[k, : lengths[k]].tolist()
-            lps = rb.rollout_logprobs[k, : lengths[k]].tolist()
-            finish, limit = rb.finish_reasons[k], room(e)
-            if len(toks) > limit:  # the shared call's cap is the largest room; this episode has less
-                toks, lps, finish = toks[:limit], lps[:limit], "length"
-            e.ids += toks
-            e.logprobs += lps
-            e.model += [True] * len(toks)
-            text = (
-                rb.response_texts[k]
-                if len(toks) == lengths[k]
-                else tokenizer.decode(toks, skip_special_tokens=True)
-            )
-            e.texts.append(text)
-            e.turns += 1
-            e.finish = finish
-            if finish == "length":
-                e.done = True  # a turn cut by the token budget ends the episode without a step
-            else:
-                stepping.append(e)
+        stepping = _take_turn(live, rb, room, tokenizer)
         results = step_all([e.env for e in stepping], [e.texts[-1] for e in stepping], timeout_s)
         for e, (status, out) in zip(stepping, results):
-            if status != "ok":
-                e.failed, e.done = status, True
-                errors += 1
-                timeouts += status == "timeout"
-                log.warning("environment %s step %s on episode %d: %s", env_name, status, e.position, out)
+            if status == "ok":
+                _observe(e, out, max_turns=max_turns, room=room, tokenizer=tokenizer, eos_ids=eos_ids)
                 continue
-            obs, reward, done = out
-            e.reward += reward
-            history = list(e.messages)
-            e.messages += [{"role": "assistant", "content": e.texts[-1]}, *(obs or [])]
-            if done or e.turns >= max_turns:
-                e.done = True
-                continue
-            eos = tokenizer.decode([e.ids[-1]]) if e.ids and e.ids[-1] in eos_ids else None
-            extra = observation_ids(tokenizer, history, obs or [], eos)
-            if len(extra) >= room(e):  # no room for the observation and one more model token
-                e.done, e.finish = True, "length"
-                continue
-            e.ids += extra
-            e.logprobs += [0.0] * len(extra)
-            e.model += [False] * len(extra)
+            e.failed, e.done = status, True
+            errors += 1
+            timeouts += status == "timeout"
+            log.warning("environment %s step %s on episode %d: %s", env_name, status, e.position, out)
         live = [e for e in episodes if not e.done]
         if not live:
             break
-
-    batch = rows_to_batch(
-        [e.prompt for e in episodes],
-        [(e.ids, e.logprobs, e.finish) for e in episodes],
-        [e.texts[-1] for e in episodes],
-        n,
-        pad_id,
-    )
-    model_mask = torch.zeros_like(batch.response_mask)
-    for r, e in enumerate(episodes):
-        model_mask[r, : len(e.model)] = torch.tensor(e.model, dtype=torch.bool)
-    gen_tokens = float(model_mask.sum())
-    batch = dataclasses.replace(
-        batch,
-        response_mask=model_mask,
-        stats={
-            "gen_tokens": gen_tokens,
-            "gen_seconds": gen_seconds,
-            "gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
-        },
-    )
-    return EpisodeBatch(
-        rollout=batch,
-        env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
-        failed=torch.tensor([e.failed is not None for e in episodes], dtype=torch.bool),
-        stats={
-            "turns": torch.tensor([float(e.turns) for e in episodes]),
-            "tool_calls": torch.tensor([float(getattr(e.env, "tool_calls", 0)) for e in episodes]),
-            "failed": torch.tensor([float(e.failed is not None) for e in episodes]),
-        },
-        errors=errors,
-        timeouts=timeouts,
-    )
+    return _finish(episodes, n, pad_id, gen_seconds, errors, timeouts)
