@@ -17,9 +17,26 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
-RECIPE_DIR = REPO_ROOT / "recipes"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the source checkout (tests launch from it); a wheel has none
+
+
+def config_dirs() -> tuple[Path, Path]:
+    """Hydra's config dir and the recipes dir, from the rlkit that is imported.
+
+    A wheel ships them inside the package (`rlkit/configs`, `rlkit/recipes`: setup.py and pyproject's
+    package-dir); an editable install or PYTHONPATH imports rlkit from a checkout, whose top-level
+    `configs/` and `recipes/` sit beside the package.
+    """
+    from importlib.resources import files
+
+    package = Path(str(files("rlkit")))
+    for root in (package, package.parent):
+        if (root / "configs" / "config.yaml").is_file():
+            return root / "configs", root / "recipes"
+    raise FileNotFoundError(f"rlkit's configs/config.yaml is neither in {package} nor in {package.parent}")
+
+
+CONFIG_DIR, RECIPE_DIR = config_dirs()
 
 DTYPES = ["float32", "bfloat16"]
 ENGINES = ["auto", "hf", "vllm"]
