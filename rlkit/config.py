@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # the source checkout (tests launch from it); a wheel has none
+# The source checkout (tests launch from it); an installed wheel has none.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def config_dirs() -> tuple[Path, Path]:
