@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,8 +29,6 @@ def config_dirs() -> tuple[Path, Path]:
     package-dir); an editable install or PYTHONPATH imports rlkit from a checkout, whose top-level
     `configs/` and `recipes/` sit beside the package.
     """
-    from importlib.resources import files
-
     package = Path(str(files("rlkit")))
     for root in (package, package.parent):
         if (root / "configs" / "config.yaml").is_file():

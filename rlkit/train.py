@@ -17,7 +17,9 @@ import uuid
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit.config import CONFIG_DIR, RLConfig, load_config, register_configs, to_dict
 
@@ -114,10 +116,6 @@ def one_run_dir(cfg: DictConfig) -> DictConfig:
     later in another). Resolving here reuses the cached values; a `hydra.run.dir` set on the command line
     becomes the run dir too.
     """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf, read_write
-
     with read_write(cfg):
         OmegaConf.resolve(cfg)
         hydra_cfg = HydraConfig.get()
