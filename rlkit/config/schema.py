@@ -9,14 +9,31 @@ configuration that cannot work before any model loads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+# The source checkout (tests launch from it); an installed wheel has none.
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
-RECIPE_DIR = REPO_ROOT / "recipes"
+
+
+def config_dirs() -> tuple[Path, Path]:
+    """Hydra's config dir and the recipes dir, from the rlkit that is imported.
+
+    A wheel ships them inside the package (`rlkit/configs`, `rlkit/recipes`: setup.py and pyproject's
+    package-dir); an editable install or PYTHONPATH imports rlkit from a checkout, whose top-level
+    `configs/` and `recipes/` sit beside the package.
+    """
+    package = Path(str(files("rlkit")))
+    for root in (package, package.parent):
+        if (root / "configs" / "config.yaml").is_file():
+            return root / "configs", root / "recipes"
+    raise FileNotFoundError(f"rlkit's configs/config.yaml is neither in {package} nor in {package.parent}")
+
+
+CONFIG_DIR, RECIPE_DIR = config_dirs()
 
 # The schema's default problem kinds of the generated arithmetic set (rlkit/data/arithmetic.py lists them all).
 DEFAULT_ARITHMETIC_KINDS = ("plain_add", "story_add", "story_sub")
