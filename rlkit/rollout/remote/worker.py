@@ -1,5 +1,6 @@
 """A rollout worker process of async mode: a `LocalRollouts` driven by the learner's control messages
-(the schedule is in rlkit/rollout/remote/client.py's module doc)."""
+(Push, Grant, Stop: messages.py; the schedule they follow: schedule.py). A worker that fails sends its
+traceback (`WorkerError`) and waits for it to be flushed to the learner's queue before it exits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 import os
 import queue
 import signal
+import threading
+import time
 import traceback
 
 import torch
@@ -18,7 +21,19 @@ from rlkit.config.rules import parse
 from rlkit.models import load_tokenizer
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.local import LocalRollouts
-from rlkit.rollout.remote.wire import bridge, dumps
+from rlkit.rollout.remote.messages import (
+    TO_WORKER,
+    BatchShare,
+    EvalResult,
+    Grant,
+    Push,
+    Ready,
+    Stop,
+    WorkerError,
+    dumps,
+    loads,
+)
+from rlkit.rollout.remote.wire import bridge
 from rlkit.timing import Timers
 from rlkit.weights import receive_weights
 
@@ -27,30 +42,52 @@ _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
                   "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")  # fmt: skip
 
 
+FLUSH_S = 60.0  # how long a failing worker waits for its traceback to reach the learner's queue
+
+
 def _control(ctrl, parent: int):
     """The next control message; exits when learner rank 0 (the parent) is gone."""
     while True:
         try:
-            return ctrl.get(timeout=1.0)
+            return loads(ctrl.get(timeout=1.0), TO_WORKER)
         except queue.Empty:
             if os.getppid() != parent:
                 raise SystemExit("rollout worker: learner rank 0 exited") from None
 
 
+def _flush(results, parent: int) -> None:
+    """Wait until what this process put on `results` is in the pipe (the learner reads it after this
+    process exits), for at most FLUSH_S s and only while learner rank 0 lives: a learner that is gone
+    or never reads again must not keep this process alive."""
+    results.close()
+    flusher = threading.Thread(target=results.join_thread, daemon=True)
+    flusher.start()
+    deadline = time.monotonic() + FLUSH_S
+    while flusher.is_alive() and time.monotonic() < deadline and os.getppid() == parent:
+        flusher.join(timeout=0.5)
+    if flusher.is_alive():
+        results.cancel_join_thread()
+
+
+def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
+    """Make this process rank `r` of the rollout world of `R` (not a rank of the learner's launch)."""
+    for key in list(os.environ):
+        if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
+            del os.environ[key]
+    os.environ.update(
+        RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]),
+    )  # fmt: skip
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["LOCAL_RANK"] = "0"
+
+
 def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, start: dict) -> None:
     """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles)."""
-    rollouts = None
+    rollouts, failed = None, False
     try:
-        for key in list(os.environ):
-            if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
-                del os.environ[key]
-        os.environ.update(
-            RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]),
-        )  # fmt: skip
-        if start["gpu"] is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(start["gpu"])
-            os.environ["LOCAL_RANK"] = "0"
+        _as_rank(r, R, ports, start["gpu"])
         # The learner stops the workers after its checkpoint; a signal to the process group must not.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -61,49 +98,56 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
         # The learner checked the whole config for its ranks (and the batch split over R workers).
         cfg = parse(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
-        dtype = torch_dtype(cfg.model.dtype)  # the engine's; pushes arrive in it
         if R > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=r, world_size=R)
         rollouts = LocalRollouts(
             cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
-            reward_dtype=dtype,
+            reward_dtype=torch_dtype(cfg.model.dtype),
         )  # fmt: skip
         rollouts.order.position = start["position"]
-        results.put(dumps(("ready", r)))
+        results.put(dumps(Ready(r)))
         store = dist.TCPStore("127.0.0.1", ports["bridge"], R + 1, False,
                               timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))  # fmt: skip
         pg = bridge(store, r + 1, R + 1, "nccl" if device.type == "cuda" else "gloo",
                      cfg.trainer.collective_timeout_s)  # fmt: skip
-
-        version, credits, index = -1, 0, start["index"]
-        parent = start["parent"]
-        while True:
-            if credits:
-                # A granted batch, generated with the weights held now (the schedule in the module doc).
-                timers = Timers()
-                sb = rollouts.produce(index, timers)
-                sb = dataclasses.replace(sb, policy_version=version)
-                results.put(dumps(("batch", r, index, sb, rollouts.order.position, timers.seconds)))
-                index, credits = index + 1, credits - 1
-                continue
-            msg = _control(ctrl, parent)
-            if msg[0] == "push":
-                _, version, evaluate, grant, manifest = msg
-                receive_weights(pg, rollouts.engine, manifest, dtype, device)
-                if evaluate:
-                    metrics = rollouts.evaluate(version)
-                    if r == 0:
-                        results.put(dumps(("eval", r, version, metrics)))
-                credits += grant
-            elif msg[0] == "grant":
-                credits += msg[1]
-            elif msg[0] == "stop":
-                break
+        _serve(rollouts, r, pg, ctrl, results, start, device)
     except BaseException as e:
         if not isinstance(e, SystemExit):
-            results.put(dumps(("error", r, traceback.format_exc())))
+            failed = True
+            results.put(dumps(WorkerError(r, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
         if rollouts is not None:
             rollouts.close()
-        results.cancel_join_thread()
+        if failed:  # the traceback must reach the learner: it is all it will know of this exit
+            _flush(results, start["parent"])
+        else:
+            results.cancel_join_thread()
+
+
+def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, device) -> None:
+    """Generate the granted batches and follow the control messages until `Stop`."""
+    dtype = torch_dtype(rollouts.cfg.model.dtype)  # the engine's; pushes arrive in it
+    version, credits, index = -1, 0, start["index"]
+    while True:
+        if credits:
+            # A granted batch, generated with the weights held now (the schedule in schedule.py).
+            timers = Timers()
+            sb = rollouts.produce(index, timers)
+            sb = dataclasses.replace(sb, policy_version=version)
+            results.put(dumps(BatchShare(r, index, sb, rollouts.order.position, timers.seconds)))
+            index, credits = index + 1, credits - 1
+            continue
+        msg = _control(ctrl, start["parent"])
+        if isinstance(msg, Push):
+            version = msg.version
+            receive_weights(pg, rollouts.engine, msg.manifest, dtype, device)
+            if msg.evaluate:
+                metrics = rollouts.evaluate(version)
+                if r == 0:
+                    results.put(dumps(EvalResult(r, version, metrics)))
+            credits += msg.grant
+        elif isinstance(msg, Grant):
+            credits += msg.count
+        elif isinstance(msg, Stop):
+            return
