@@ -10,6 +10,8 @@ import torch
 
 from rlkit.batch import RolloutBatch, ScoredBatch
 from rlkit.rollout.remote.messages import (
+    MAX_TRACEBACK_CHARS,
+    MESSAGES,
     TO_LEARNER,
     TO_WORKER,
     BatchShare,
@@ -25,6 +27,7 @@ from rlkit.rollout.remote.messages import (
     load_pending,
     loads,
     save_pending,
+    worker_error,
 )
 
 
@@ -65,7 +68,7 @@ def same(a, b):
     return type(a) is type(b) and a == b
 
 
-MESSAGES = [
+EXAMPLES = [
     Push(version=2, evaluate=True, grant=1, manifest={"w": (4, 3), "b": (4,)}),
     Grant(count=2),
     Stop(),
@@ -76,11 +79,25 @@ MESSAGES = [
 ]
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg):
-    accept = TO_WORKER if isinstance(msg, TO_WORKER) else TO_LEARNER
-    back = loads(dumps(msg), accept)
+    back = loads(dumps(msg), MESSAGES)
     assert same(msg, back)
+    for side in (TO_WORKER, TO_LEARNER):
+        if not isinstance(msg, side):
+            with pytest.raises(MessageError, match=f"refused a message of type {type(msg).__name__}"):
+                loads(dumps(msg), side)
+
+
+def test_a_long_traceback_is_cut_in_the_middle_to_fit_an_empty_pipe():
+    text = "Traceback (most recent call last):\n" + "x" * 100_000 + "\nRuntimeError: the end"
+    err = worker_error(3, text)
+    assert err.worker == 3 and len(err.traceback) < MAX_TRACEBACK_CHARS + 100
+    assert err.traceback.startswith("Traceback") and err.traceback.endswith("RuntimeError: the end")
+    assert f"[{len(text) - MAX_TRACEBACK_CHARS} characters cut]" in err.traceback
+    # Even all in 4-byte characters it fits a pipe's 64 KiB, encoding included.
+    assert len(dumps(worker_error(0, "\U0001f600" * 50_000))) < 64 * 1024
+    assert worker_error(0, "short").traceback == "short"
 
 
 def test_a_message_for_the_other_side_or_of_an_unknown_type_is_refused():

@@ -286,26 +286,39 @@ def test_a_kill_during_the_weight_broadcast_names_the_worker_not_the_transport(t
     )
 
 
-def test_a_worker_failing_at_start_up_reports_its_traceback(tiny, tmp_path):
+@pytest.mark.parametrize("learner", ["reading", "busy"])
+def test_a_worker_failing_at_start_up_reports_its_traceback(tiny, tmp_path, monkeypatch, learner):
     """The worker's traceback reaches the learner's error every time (it used to be lost when the worker
-    exited before its queue was flushed: "exited ... without reporting an error")."""
-    from rlkit.rollout.remote.client import AsyncRollouts
+    exited before its queue was flushed: "exited ... without reporting an error"). `busy`: the learner
+    reads nothing until the worker has exited, as when it is deep in a long step; the traceback (cut to
+    fit a pipe: the module's message is ~400 kB) is there all the same."""
+    from rlkit.rollout.remote import client
     from rlkit.train import compose, load_config
 
+    if learner == "busy":
+        real_receive = client.AsyncRollouts._receive
+
+        def receive_after_the_exit(self):
+            for proc in self.procs:
+                proc.join(timeout=120)
+            return real_receive(self)
+
+        monkeypatch.setattr(client.AsyncRollouts, "_receive", receive_after_the_exit)
     cfg = load_config(
         compose(
             overrides(tiny, tmp_path / "f", "trainer.mode=async", "reward.fn=rlkit_test_worker_fails:reward")
         )
     )
-    for _ in range(3):
-        rollouts = AsyncRollouts(cfg, rank=0, world=1, device=torch.device("cpu"))
+    for _ in range(3 if learner == "reading" else 1):
+        rollouts = client.AsyncRollouts(cfg, rank=0, world=1, device=torch.device("cpu"))
         try:
             with pytest.raises(RuntimeError, match="rollout worker 0 failed") as info:
                 rollouts.start(None, 0)  # the export is never reached: the worker fails while loading
         finally:
             rollouts.close()
-        assert "Traceback" in str(info.value)
-        assert "this reward refuses to load in a rollout worker" in str(info.value)
+        text = str(info.value)
+        assert text.count("Traceback (most recent call last)") == 1 and "characters cut" in text
+        assert "rlkit_test_worker_fails" in text and text.rstrip().endswith("END OF THE WORKER'S MESSAGE")
 
 
 def test_a_crafted_pending_file_is_refused_on_resume_and_never_run(tiny, tmp_path):

@@ -13,8 +13,8 @@ timing, so a run is reproducible, a resumed run continues exactly, S = 0 reprodu
 (same seeds, same metrics) and S = 1 is one-step-off-policy: batch s + 1 is generated while step s trains.
 
 Channels: control messages learner -> worker on one multiprocessing queue per worker (Push, Grant, Stop);
-batch shares, eval results and errors worker -> learner on one queue: typed messages in a tensors-only
-encoding, read without unpickling (messages.py); weights by broadcast from learner rank 0 in a process group of
+batch shares and eval results worker -> learner on one queue, and a failing worker's traceback on its own
+pipe: typed messages in a tensors-only encoding, read without unpickling (messages.py); weights by broadcast from learner rank 0 in a process group of
 it and the workers (gloo on CPU, NCCL on GPU), one tensor at a time in the manifest's order, each handed to
 the worker engine's `load_weights` as it arrives (the same checked load as the sync push, rlkit/weights.py).
 
@@ -98,6 +98,7 @@ class AsyncRollouts:
         self.eval_requested: set[int] = set()
         self.ready: set[int] = set()
         self.procs, self.ctrl, self.results, self.pg, self.manifest = [], [], None, None, None
+        self.errors: dict[int, object] = {}  # worker -> the receiving end of its error pipe
         self._threads_before = torch.get_num_threads()
         if device.type == "cpu":  # the learner and the workers share the cores
             self.threads = max(1, (os.cpu_count() or 1) // (world + self.R))
@@ -127,14 +128,17 @@ class AsyncRollouts:
             gpus = ids[len(ids) - self.R :]
         for r in range(self.R):
             ctrl = ctx.Queue()
+            errors, send_errors = ctx.Pipe(duplex=False)
             start = {"index": self.schedule.granted, "position": self.position, "gpu": gpus[r],
                      "parent": os.getpid(), "threads": self.threads}  # fmt: skip
             proc = ctx.Process(
                 target=worker_main,
-                args=(to_dict(self.cfg), r, self.R, ports, ctrl, self.results, start),
+                args=(to_dict(self.cfg), r, self.R, ports, ctrl, self.results, send_errors, start),
                 name=f"rlkit-rollout-{r}",
             )
             proc.start()
+            send_errors.close()  # the worker holds the sending end
+            self.errors[r] = errors
             self.procs.append(proc)
             self.ctrl.append(ctrl)
         while len(self.ready) < self.R:  # errors and deaths while loading surface here
@@ -152,25 +156,18 @@ class AsyncRollouts:
                 q.put(dumps(Stop()))
             except Exception as e:  # the worker may be gone already; it is joined (or killed) below
                 log.warning("could not send Stop to rollout worker %d: %s: %s", r, type(e).__name__, e)
-        deadline = time.monotonic() + 60
         for proc in self.procs:
-            while proc.is_alive() and time.monotonic() < deadline:
-                self._discard_results()  # a worker flushing its last message must not block on a full pipe
-                proc.join(timeout=0.5)
+            proc.join(timeout=60)
             if proc.is_alive():
                 log.warning("rollout worker %s did not stop within 60 s: killing it", proc.name)
                 proc.kill()
                 proc.join()
         self.procs = []
+        for conn in self.errors.values():
+            conn.close()
+        self.errors = {}
         if self.results is not None:
             self.results.cancel_join_thread()
-
-    def _discard_results(self) -> None:
-        try:
-            while True:
-                self.results.get_nowait()
-        except (queue.Empty, OSError, ValueError):
-            pass
 
     # -- messages from the workers ------------------------------------------------------------------
 
@@ -185,8 +182,6 @@ class AsyncRollouts:
         self._handle(loads(data, TO_LEARNER))
 
     def _handle(self, msg) -> None:
-        if isinstance(msg, WorkerError):
-            raise RuntimeError(f"rollout worker {msg.worker} failed:\n{msg.traceback}")
         if isinstance(msg, Ready):
             self.ready.add(msg.worker)
         elif isinstance(msg, EvalResult):
@@ -208,7 +203,7 @@ class AsyncRollouts:
                 self.position = parts[0].position
 
     def _drain(self, timeout: float) -> None:
-        """Handle the messages that arrive within `timeout` s of each other (a WorkerError raises)."""
+        """Handle the messages that arrive within `timeout` s of each other."""
         while True:
             try:
                 data = self.results.get(timeout=timeout)
@@ -221,14 +216,28 @@ class AsyncRollouts:
         before exiting, else its number and exit code."""
         deadline = time.monotonic() + wait_s
         while True:
+            self._raise_a_worker_error()
             exited = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
             if exited or time.monotonic() >= deadline:
                 break
-            self._drain(0.2)
+            self._drain(0.2)  # keeps the results pipe flowing while waiting
         if exited:
-            self._drain(1.0)  # a worker's last message was flushed before it exited
+            self._raise_a_worker_error()  # written before the worker exited: it is there if it was sent
             r, code = exited[0]
             raise RuntimeError(f"rollout worker {r} exited with code {code} without reporting an error")
+
+    def _raise_a_worker_error(self) -> None:
+        """Raise the first traceback a worker has sent on its error pipe, if any."""
+        for r, conn in list(self.errors.items()):
+            if not conn.poll():
+                continue
+            try:
+                data = conn.recv_bytes()
+            except EOFError:  # the worker exited without an error
+                del self.errors[r]
+                continue
+            msg = loads(data, (WorkerError,))
+            raise RuntimeError(f"rollout worker {msg.worker} failed:\n{msg.traceback}")
 
     def _grant(self, indices: list[int]) -> None:
         if indices:

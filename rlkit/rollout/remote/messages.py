@@ -3,7 +3,9 @@ pending batch of a checkpoint, and their tensors-only encoding.
 
 Messages are small frozen dataclasses, never positional tuples. Learner -> worker (one control queue per
 worker): `Push`, `Grant`, `Stop`. Worker -> learner (one results queue): `Ready`, `BatchShare`,
-`EvalResult`, `WorkerError`.
+`EvalResult`; and a failing worker's `WorkerError` on its own one-way pipe, written synchronously before
+it exits and bounded (`worker_error`) to fit an empty pipe's buffer, so it arrives whether or not the
+learner is reading and whatever is still queued on the results queue.
 
 Nothing is unpickled. `encode` turns a message into a tree of tensors, bools, ints, floats, strs, None,
 lists and str-keyed dicts: a dataclass becomes `{"__type__": its name, field: value, ...}` and a tuple
@@ -98,8 +100,24 @@ class WorkerError:
     traceback: str
 
 
+# A pipe holds 64 KiB before a writer blocks: a traceback of up to this many characters (4 bytes each at
+# most in UTF-8) and its encoding fit, so a failing worker never waits for the learner to read.
+MAX_TRACEBACK_CHARS = 12_000
+
+
+def worker_error(worker: int, text: str) -> WorkerError:
+    """The `WorkerError` of `text`, its middle cut when it is longer than MAX_TRACEBACK_CHARS (the start
+    of the traceback and its end, with the exception, are kept)."""
+    if len(text) > MAX_TRACEBACK_CHARS:
+        head, tail = MAX_TRACEBACK_CHARS // 5, MAX_TRACEBACK_CHARS * 4 // 5
+        cut = len(text) - head - tail
+        text = f"{text[:head]}\n... [{cut} characters cut] ...\n{text[-tail:]}"
+    return WorkerError(worker, text)
+
+
 TO_WORKER = (Push, Grant, Stop)
-TO_LEARNER = (Ready, BatchShare, EvalResult, WorkerError)
+TO_LEARNER = (Ready, BatchShare, EvalResult)
+MESSAGES = (*TO_WORKER, *TO_LEARNER, WorkerError)
 
 
 # -- the checkpoint's pending batches ----------------------------------------------------------------
@@ -118,7 +136,7 @@ class Pending:
     """The worker's phase timers (timing/generate_s, timing/reward_s, ...)."""
 
 
-TYPES = {cls.__name__: cls for cls in (*TO_WORKER, *TO_LEARNER, Pending, ScoredBatch, RolloutBatch)}
+TYPES = {cls.__name__: cls for cls in (*MESSAGES, Pending, ScoredBatch, RolloutBatch)}
 
 
 # -- the encoding ------------------------------------------------------------------------------------
@@ -172,7 +190,7 @@ def decode(tree):
 
 def dumps(msg) -> bytes:
     """The bytes of message `msg` for a queue."""
-    if not isinstance(msg, TO_WORKER + TO_LEARNER):
+    if not isinstance(msg, MESSAGES):
         raise MessageError(f"{type(msg).__name__} is not a message type")
     buf = io.BytesIO()
     torch.save(encode(msg), buf)

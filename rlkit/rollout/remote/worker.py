@@ -1,6 +1,6 @@
 """A rollout worker process of async mode: a `LocalRollouts` driven by the learner's control messages
 (Push, Grant, Stop: messages.py; the schedule they follow: schedule.py). A worker that fails sends its
-traceback (`WorkerError`) and waits for it to be flushed to the learner's queue before it exits."""
+traceback (`WorkerError`) on its own pipe before it exits (messages.py says why that always arrives)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import logging
 import os
 import queue
 import signal
-import threading
-import time
 import traceback
 
 import torch
@@ -29,9 +27,9 @@ from rlkit.rollout.remote.messages import (
     Push,
     Ready,
     Stop,
-    WorkerError,
     dumps,
     loads,
+    worker_error,
 )
 from rlkit.rollout.remote.wire import bridge
 from rlkit.timing import Timers
@@ -42,9 +40,6 @@ _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
                   "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")  # fmt: skip
 
 
-FLUSH_S = 60.0  # how long a failing worker waits for its traceback to reach the learner's queue
-
-
 def _control(ctrl, parent: int):
     """The next control message; exits when learner rank 0 (the parent) is gone."""
     while True:
@@ -53,20 +48,6 @@ def _control(ctrl, parent: int):
         except queue.Empty:
             if os.getppid() != parent:
                 raise SystemExit("rollout worker: learner rank 0 exited") from None
-
-
-def _flush(results, parent: int) -> None:
-    """Wait until what this process put on `results` is in the pipe (the learner reads it after this
-    process exits), for at most FLUSH_S s and only while learner rank 0 lives: a learner that is gone
-    or never reads again must not keep this process alive."""
-    results.close()
-    flusher = threading.Thread(target=results.join_thread, daemon=True)
-    flusher.start()
-    deadline = time.monotonic() + FLUSH_S
-    while flusher.is_alive() and time.monotonic() < deadline and os.getppid() == parent:
-        flusher.join(timeout=0.5)
-    if flusher.is_alive():
-        results.cancel_join_thread()
 
 
 def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
@@ -83,9 +64,10 @@ def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
         os.environ["LOCAL_RANK"] = "0"
 
 
-def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, start: dict) -> None:
-    """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles)."""
-    rollouts, failed = None, False
+def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, errors, start: dict) -> None:
+    """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles). `errors` is the
+    sending end of this worker's error pipe."""
+    rollouts = None
     try:
         _as_rank(r, R, ports, start["gpu"])
         # The learner stops the workers after its checkpoint; a signal to the process group must not.
@@ -113,16 +95,14 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
         _serve(rollouts, r, pg, ctrl, results, start, device)
     except BaseException as e:
         if not isinstance(e, SystemExit):
-            failed = True
-            results.put(dumps(WorkerError(r, traceback.format_exc())))
+            # Written at once (it fits the empty pipe), before anything else can fail or hang.
+            errors.send_bytes(dumps(worker_error(r, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
+        errors.close()
         if rollouts is not None:
             rollouts.close()
-        if failed:  # the traceback must reach the learner: it is all it will know of this exit
-            _flush(results, start["parent"])
-        else:
-            results.cancel_join_thread()
+        results.cancel_join_thread()  # batches still queued are of no use once this worker stops
 
 
 def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, device) -> None:
