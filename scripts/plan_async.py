@@ -8,7 +8,7 @@
 The model. A sync step on N devices runs generation (generation + reward phases, `g` seconds), learning
 (log-probs + advantages + correction + update, `l`) and the weight push (`p`) one after the other:
     sync step  = g + l + p
-In async mode (rlkit/rollout/remote.py) R devices generate and N - R learn. A phase that takes t seconds
+In async mode (rlkit/rollout/remote/) R devices generate and N - R learn. A phase that takes t seconds
 on N devices takes t * (N / k) ** a on k devices, where a is its scaling exponent (1 = linear, data
 parallel without cost; below 1 when more devices help less, as for decode-bound generation):
     g_R = g * (N / R) ** a_gen,   l_L = l * (N / (N - R)) ** a_learn
