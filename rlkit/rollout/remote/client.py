@@ -12,19 +12,25 @@ the next version only after them. Which weights generate which batch is fixed by
 timing, so a run is reproducible, a resumed run continues exactly, S = 0 reproduces `trainer.mode=sync`
 (same seeds, same metrics) and S = 1 is one-step-off-policy: batch s + 1 is generated while step s trains.
 
-Channels: control messages learner -> worker on one multiprocessing queue per worker (push, grant, stop);
-scored batches, eval results and errors worker -> learner on one queue (serialised with torch.save, so no
-shared-memory handle outlives its sender); weights by broadcast from learner rank 0 in a process group of
+Channels: control messages learner -> worker on one multiprocessing queue per worker (Push, Grant, Stop);
+batch shares and eval results worker -> learner on one queue, and a failing worker's traceback on its own
+pipe: typed messages in a tensors-only encoding, read without unpickling (messages.py); weights by broadcast from learner rank 0 in a process group of
 it and the workers (gloo on CPU, NCCL on GPU), one tensor at a time in the manifest's order, each handed to
 the worker engine's `load_weights` as it arrives (the same checked load as the sync push, rlkit/weights.py).
 
 Staleness: every batch carries its policy version. A batch more than S versions behind the step it would
-train is dropped, counted (`staleness/dropped`) and replaced by a newly granted batch; under the schedule
-this happens only to batches saved by a checkpoint and resumed with a smaller `trainer.max_staleness`.
+train is dropped and counted (`staleness/dropped`); under the schedule this happens only to batches saved
+by a checkpoint and resumed with a smaller `trainer.max_staleness`. The bookkeeping (grants, outstanding
+batches, drops) is schedule.py's, without I/O; this module sends and receives.
 
-Checkpoint: the batches granted but not yet trained are awaited and saved (`rollouts.pt`) with the data
-position after them, so no prompt is lost or trained twice; resumed workers continue from that position.
-SIGTERM: the learner finishes its step, checkpoints, then stops the workers (they ignore the signal).
+Checkpoint: the batches granted but not yet trained are awaited and saved (rundir.PENDING_FILE, tensors
+only) with the data position after them, so no prompt is lost or trained twice; resumed workers continue
+from that position. SIGTERM: the learner finishes its step, checkpoints, then stops the workers (they
+ignore the signal).
+
+Failures: a worker that fails sends its traceback before it exits, and the learner raises it; a worker
+that dies without a word (kill -9) is reported by number and exit code, whether the learner notices it
+waiting on the results queue or in the weight broadcast.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import multiprocessing as mp
 import os
 import queue
+import time
 from collections import deque
 from pathlib import Path
 
@@ -44,7 +52,23 @@ from rlkit.batch import ScoredBatch
 from rlkit.collectives import free_port
 from rlkit.config.schema import to_dict
 from rlkit.rollout.engines import torch_dtype
-from rlkit.rollout.remote.wire import Pending, bridge, loads
+from rlkit.rollout.remote.messages import (
+    TO_LEARNER,
+    BatchShare,
+    EvalResult,
+    Grant,
+    Pending,
+    Push,
+    Ready,
+    Stop,
+    WorkerError,
+    dumps,
+    load_pending,
+    loads,
+    save_pending,
+)
+from rlkit.rollout.remote.schedule import Schedule
+from rlkit.rollout.remote.wire import bridge
 from rlkit.rollout.remote.worker import worker_main
 from rlkit.rollout.scored import merge_scored, split_scored
 from rlkit.rundir import PENDING_FILE
@@ -52,7 +76,7 @@ from rlkit.weights import Export, send_weights
 
 log = logging.getLogger(__name__)
 
-# -- the learner side -----------------------------------------------------------------------------------
+EXIT_WAIT_S = 3.0  # how long a failed collective waits for a worker's exit code to appear
 
 
 class AsyncRollouts:
@@ -62,19 +86,19 @@ class AsyncRollouts:
         t = cfg.trainer
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.is_main = rank == 0
-        self.S, self.R = t.max_staleness, t.rollout_gpus
+        self.R = t.rollout_gpus
         self.engine_name = f"{cfg.rollout.engine}, in {self.R} rollout worker process(es)"
         self.dtype = torch_dtype(cfg.model.dtype)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.schedule = Schedule(t.max_staleness, t.steps)
         self.pending: deque[Pending] = deque()  # received, not trained
-        self.shares: dict[int, dict[int, tuple]] = {}  # batch index -> worker -> its share
-        self.outstanding = 0  # granted, not received
-        self.granted = 0  # batches granted so far (the next batch's index)
+        self.shares: dict[int, dict[int, BatchShare]] = {}  # batch index -> worker -> its share
         self.position = 0  # data position after the last granted batch
         self.evals: dict[int, dict] = {}
         self.eval_requested: set[int] = set()
         self.ready: set[int] = set()
         self.procs, self.ctrl, self.results, self.pg, self.manifest = [], [], None, None, None
+        self.errors: dict[int, object] = {}  # worker -> the receiving end of its error pipe
         self._threads_before = torch.get_num_threads()
         if device.type == "cpu":  # the learner and the workers share the cores
             self.threads = max(1, (os.cpu_count() or 1) // (world + self.R))
@@ -91,8 +115,6 @@ class AsyncRollouts:
         self.push(export, step, evaluate=evaluate)
 
     def _spawn(self) -> None:
-        import multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         t = self.cfg.trainer
         self.results = ctx.Queue()
@@ -106,14 +128,17 @@ class AsyncRollouts:
             gpus = ids[len(ids) - self.R :]
         for r in range(self.R):
             ctrl = ctx.Queue()
-            start = {"index": self.granted, "position": self.position, "gpu": gpus[r], "parent": os.getpid(),
-                     "threads": self.threads}  # fmt: skip
+            errors, send_errors = ctx.Pipe(duplex=False)
+            start = {"index": self.schedule.granted, "position": self.position, "gpu": gpus[r],
+                     "parent": os.getpid(), "threads": self.threads}  # fmt: skip
             proc = ctx.Process(
                 target=worker_main,
-                args=(to_dict(self.cfg), r, self.R, ports, ctrl, self.results, start),
+                args=(to_dict(self.cfg), r, self.R, ports, ctrl, self.results, send_errors, start),
                 name=f"rlkit-rollout-{r}",
             )
             proc.start()
+            send_errors.close()  # the worker holds the sending end
+            self.errors[r] = errors
             self.procs.append(proc)
             self.ctrl.append(ctrl)
         while len(self.ready) < self.R:  # errors and deaths while loading surface here
@@ -126,11 +151,11 @@ class AsyncRollouts:
         torch.set_num_threads(self._threads_before)
         if not self.is_main:
             return
-        for q in self.ctrl:
+        for r, q in enumerate(self.ctrl):
             try:
-                q.put(("stop",))
-            except Exception:
-                pass
+                q.put(dumps(Stop()))
+            except Exception as e:  # the worker may be gone already; it is joined (or killed) below
+                log.warning("could not send Stop to rollout worker %d: %s: %s", r, type(e).__name__, e)
         for proc in self.procs:
             proc.join(timeout=60)
             if proc.is_alive():
@@ -138,6 +163,9 @@ class AsyncRollouts:
                 proc.kill()
                 proc.join()
         self.procs = []
+        for conn in self.errors.values():
+            conn.close()
+        self.errors = {}
         if self.results is not None:
             self.results.cancel_join_thread()
 
@@ -150,36 +178,71 @@ class AsyncRollouts:
                 data = self.results.get(timeout=1.0)
                 break
             except queue.Empty:
-                for r, proc in enumerate(self.procs):
-                    if proc.exitcode is not None:
-                        raise RuntimeError(
-                            f"rollout worker {r} exited with code {proc.exitcode} without reporting an error"
-                        ) from None
-        msg = loads(data)
-        kind, r = msg[0], msg[1]
-        if kind == "error":
-            raise RuntimeError(f"rollout worker {r} failed:\n{msg[2]}")
-        if kind == "ready":
-            self.ready.add(r)
-        elif kind == "eval":
-            self.evals[msg[2]] = msg[3]
-        elif kind == "batch":
-            _, _, index, sb, position, seconds = msg
-            shares = self.shares.setdefault(index, {})
-            shares[r] = (sb, position, seconds)
-            if len(shares) == self.R:  # every worker's share of this batch is in
-                del self.shares[index]
-                parts = [shares[w] for w in range(self.R)]
-                merged = merge_scored([p[0] for p in parts])
-                self.pending.append(Pending(index, merged, parts[0][1], parts[0][2]))
-                self.outstanding -= 1
-                self.position = parts[0][1]
+                self._raise_if_a_worker_exited()
+        self._handle(loads(data, TO_LEARNER))
 
-    def _grant(self, n: int) -> None:
-        for q in self.ctrl:
-            q.put(("grant", n))
-        self.outstanding += n
-        self.granted += n
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Ready):
+            self.ready.add(msg.worker)
+        elif isinstance(msg, EvalResult):
+            self.evals[msg.version] = msg.metrics
+        elif isinstance(msg, BatchShare):
+            shares = self.shares.setdefault(msg.index, {})
+            shares[msg.worker] = msg
+            if len(shares) == self.R:  # every worker's share of this batch is in
+                del self.shares[msg.index]
+                parts = [shares[w] for w in range(self.R)]
+                merged = merge_scored([p.batch for p in parts])
+                expected = self.schedule.received(msg.index)
+                if merged.policy_version != expected:
+                    raise RuntimeError(
+                        f"batch {msg.index} was generated by version {merged.policy_version}; "
+                        f"the schedule says {expected}"
+                    )
+                self.pending.append(Pending(msg.index, merged, parts[0].position, parts[0].seconds))
+                self.position = parts[0].position
+
+    def _drain(self, timeout: float) -> None:
+        """Handle the messages that arrive within `timeout` s of each other."""
+        while True:
+            try:
+                data = self.results.get(timeout=timeout)
+            except queue.Empty:
+                return
+            self._handle(loads(data, TO_LEARNER))
+
+    def _raise_if_a_worker_exited(self, wait_s: float = 0.0) -> None:
+        """Raise if a worker has exited (waiting up to `wait_s` for one to): its own error when it sent one
+        before exiting, else its number and exit code."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._raise_a_worker_error()
+            exited = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if exited or time.monotonic() >= deadline:
+                break
+            self._drain(0.2)  # keeps the results pipe flowing while waiting
+        if exited:
+            self._raise_a_worker_error()  # written before the worker exited: it is there if it was sent
+            r, code = exited[0]
+            raise RuntimeError(f"rollout worker {r} exited with code {code} without reporting an error")
+
+    def _raise_a_worker_error(self) -> None:
+        """Raise the first traceback a worker has sent on its error pipe, if any."""
+        for r, conn in list(self.errors.items()):
+            if not conn.poll():
+                continue
+            try:
+                data = conn.recv_bytes()
+            except EOFError:  # the worker exited without an error
+                del self.errors[r]
+                continue
+            msg = loads(data, (WorkerError,))
+            raise RuntimeError(f"rollout worker {msg.worker} failed:\n{msg.traceback}")
+
+    def _grant(self, indices: list[int]) -> None:
+        if indices:
+            for q in self.ctrl:
+                q.put(dumps(Grant(len(indices))))
 
     # -- the trainer's calls ------------------------------------------------------------------------
 
@@ -188,19 +251,7 @@ class AsyncRollouts:
         payload = None
         with timers("rollout_wait"):
             if self.is_main:
-                dropped = 0
-                while True:
-                    while not self.pending:
-                        self._receive()
-                    item = self.pending.popleft()
-                    if step - item.batch.policy_version <= self.S:
-                        break
-                    dropped += 1
-                    log.warning(
-                        "dropped batch %d: generated by version %d, %d behind step %d (trainer.max_staleness=%d)",
-                        item.index, item.batch.policy_version, step - item.batch.policy_version, step, self.S,
-                    )  # fmt: skip
-                    self._grant(1)
+                item, dropped = self._next_fresh(step)
                 payload = [(share, item.seconds, dropped) for share in split_scored(item.batch, self.world)]
             if self.world > 1:
                 box = [None]
@@ -212,24 +263,40 @@ class AsyncRollouts:
             timers.seconds[key] = timers.seconds.get(key, 0.0) + value
         return dataclasses.replace(share, stats={**share.stats, "staleness/dropped": float(dropped)})
 
+    def _next_fresh(self, step: int) -> tuple[Pending, int]:
+        """The oldest pending batch fresh enough for `step`, and how many older ones were dropped."""
+        dropped = 0
+        while True:
+            self._grant(self.schedule.refill(len(self.pending)))
+            while not self.pending:
+                self._receive()
+            item = self.pending.popleft()
+            version = item.batch.policy_version
+            if self.schedule.fresh(step, version):
+                return item, dropped
+            dropped += 1
+            log.warning(
+                "dropped batch %d: generated by version %d, %d behind step %d (trainer.max_staleness=%d)",
+                item.index, version, step - version, step, self.schedule.staleness,
+            )  # fmt: skip
+
     def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
         """Send version `version` to the workers and grant the batches it generates; all ranks call it."""
         self.manifest = export.manifest
         if self.is_main:
-            steps = self.cfg.trainer.steps
-            # Untrained batches should cover steps version .. version + S (not past the last step).
-            want = max(0, min(steps, version + self.S + 1) - version)
-            grant = max(0, want - len(self.pending) - self.outstanding)
-            for r, q in enumerate(self.ctrl):
-                if self.procs[r].exitcode is not None:
-                    raise RuntimeError(f"rollout worker {r} exited with code {self.procs[r].exitcode}")
-                q.put(("push", version, evaluate, grant, self.manifest))
-            self.outstanding += grant
-            self.granted += grant
+            self._raise_if_a_worker_exited()
+            grant = len(self.schedule.push(version, len(self.pending)))
+            for q in self.ctrl:
+                q.put(dumps(Push(version, evaluate, grant, self.manifest)))
             if evaluate:
                 self.eval_requested.add(version)
         send_device = self.device if self.backend == "nccl" else torch.device("cpu")
-        return send_weights(self.pg, export, self.dtype, is_main=self.is_main, device=send_device)
+        try:
+            return send_weights(self.pg, export, self.dtype, is_main=self.is_main, device=send_device)
+        except Exception:
+            if self.is_main:  # a dead worker breaks the broadcast: name it rather than the transport
+                self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
+            raise
 
     def evaluate(self, version: int) -> dict[str, float]:
         """The workers' eval of version `version` (requested with its push)."""
@@ -250,14 +317,14 @@ class AsyncRollouts:
     def checkpoint(self, directory) -> dict:
         """Wait for every granted batch and save the untrained ones: resuming loses and repeats nothing."""
         if self.is_main:
-            while self.outstanding:
+            while self.schedule.outstanding:
                 self._receive()
-            torch.save(list(self.pending), Path(directory) / PENDING_FILE)
-        return {"data_position": self.position, "batches_granted": self.granted}
+            save_pending(Path(directory) / PENDING_FILE, list(self.pending))
+        return {"data_position": self.position, "batches_granted": self.schedule.granted}
 
     def load_checkpoint(self, directory, state: dict) -> None:
         self.position = state["data_position"]
-        self.granted = state.get("batches_granted", state["step"])
+        self.schedule.granted = state.get("batches_granted", state["step"])
         path = Path(directory) / PENDING_FILE
         if self.is_main and path.exists():
-            self.pending = deque(torch.load(path, weights_only=False))
+            self.pending = deque(load_pending(path))

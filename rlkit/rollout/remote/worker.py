@@ -1,5 +1,6 @@
 """A rollout worker process of async mode: a `LocalRollouts` driven by the learner's control messages
-(the schedule is in rlkit/rollout/remote/client.py's module doc)."""
+(Push, Grant, Stop: messages.py; the schedule they follow: schedule.py). A worker that fails sends its
+traceback (`WorkerError`) on its own pipe before it exits (messages.py says why that always arrives)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,19 @@ from rlkit.config.rules import parse
 from rlkit.models import load_tokenizer
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.local import LocalRollouts
-from rlkit.rollout.remote.wire import bridge, dumps
+from rlkit.rollout.remote.messages import (
+    TO_WORKER,
+    BatchShare,
+    EvalResult,
+    Grant,
+    Push,
+    Ready,
+    Stop,
+    dumps,
+    loads,
+    worker_error,
+)
+from rlkit.rollout.remote.wire import bridge
 from rlkit.timing import Timers
 from rlkit.weights import receive_weights
 
@@ -31,26 +44,32 @@ def _control(ctrl, parent: int):
     """The next control message; exits when learner rank 0 (the parent) is gone."""
     while True:
         try:
-            return ctrl.get(timeout=1.0)
+            return loads(ctrl.get(timeout=1.0), TO_WORKER)
         except queue.Empty:
             if os.getppid() != parent:
                 raise SystemExit("rollout worker: learner rank 0 exited") from None
 
 
-def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, start: dict) -> None:
-    """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles)."""
+def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
+    """Make this process rank `r` of the rollout world of `R` (not a rank of the learner's launch)."""
+    for key in list(os.environ):
+        if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
+            del os.environ[key]
+    os.environ.update(
+        RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]),
+    )  # fmt: skip
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["LOCAL_RANK"] = "0"
+
+
+def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, errors, start: dict) -> None:
+    """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles). `errors` is the
+    sending end of this worker's error pipe."""
     rollouts = None
     try:
-        for key in list(os.environ):
-            if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
-                del os.environ[key]
-        os.environ.update(
-            RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]),
-        )  # fmt: skip
-        if start["gpu"] is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(start["gpu"])
-            os.environ["LOCAL_RANK"] = "0"
+        _as_rank(r, R, ports, start["gpu"])
         # The learner stops the workers after its checkpoint; a signal to the process group must not.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -61,49 +80,54 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, star
         # The learner checked the whole config for its ranks (and the batch split over R workers).
         cfg = parse(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
-        dtype = torch_dtype(cfg.model.dtype)  # the engine's; pushes arrive in it
         if R > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=r, world_size=R)
         rollouts = LocalRollouts(
             cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
-            reward_dtype=dtype,
+            reward_dtype=torch_dtype(cfg.model.dtype),
         )  # fmt: skip
         rollouts.order.position = start["position"]
-        results.put(dumps(("ready", r)))
+        results.put(dumps(Ready(r)))
         store = dist.TCPStore("127.0.0.1", ports["bridge"], R + 1, False,
                               timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))  # fmt: skip
         pg = bridge(store, r + 1, R + 1, "nccl" if device.type == "cuda" else "gloo",
                      cfg.trainer.collective_timeout_s)  # fmt: skip
-
-        version, credits, index = -1, 0, start["index"]
-        parent = start["parent"]
-        while True:
-            if credits:
-                # A granted batch, generated with the weights held now (the schedule in the module doc).
-                timers = Timers()
-                sb = rollouts.produce(index, timers)
-                sb = dataclasses.replace(sb, policy_version=version)
-                results.put(dumps(("batch", r, index, sb, rollouts.order.position, timers.seconds)))
-                index, credits = index + 1, credits - 1
-                continue
-            msg = _control(ctrl, parent)
-            if msg[0] == "push":
-                _, version, evaluate, grant, manifest = msg
-                receive_weights(pg, rollouts.engine, manifest, dtype, device)
-                if evaluate:
-                    metrics = rollouts.evaluate(version)
-                    if r == 0:
-                        results.put(dumps(("eval", r, version, metrics)))
-                credits += grant
-            elif msg[0] == "grant":
-                credits += msg[1]
-            elif msg[0] == "stop":
-                break
+        _serve(rollouts, r, pg, ctrl, results, start, device)
     except BaseException as e:
         if not isinstance(e, SystemExit):
-            results.put(dumps(("error", r, traceback.format_exc())))
+            # Written at once (it fits the empty pipe), before anything else can fail or hang.
+            errors.send_bytes(dumps(worker_error(r, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
+        errors.close()
         if rollouts is not None:
             rollouts.close()
-        results.cancel_join_thread()
+        results.cancel_join_thread()  # batches still queued are of no use once this worker stops
+
+
+def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, device) -> None:
+    """Generate the granted batches and follow the control messages until `Stop`."""
+    dtype = torch_dtype(rollouts.cfg.model.dtype)  # the engine's; pushes arrive in it
+    version, credits, index = -1, 0, start["index"]
+    while True:
+        if credits:
+            # A granted batch, generated with the weights held now (the schedule in schedule.py).
+            timers = Timers()
+            sb = rollouts.produce(index, timers)
+            sb = dataclasses.replace(sb, policy_version=version)
+            results.put(dumps(BatchShare(r, index, sb, rollouts.order.position, timers.seconds)))
+            index, credits = index + 1, credits - 1
+            continue
+        msg = _control(ctrl, start["parent"])
+        if isinstance(msg, Push):
+            version = msg.version
+            receive_weights(pg, rollouts.engine, msg.manifest, dtype, device)
+            if msg.evaluate:
+                metrics = rollouts.evaluate(version)
+                if r == 0:
+                    results.put(dumps(EvalResult(r, version, metrics)))
+            credits += msg.grant
+        elif isinstance(msg, Grant):
+            credits += msg.count
+        elif isinstance(msg, Stop):
+            return
