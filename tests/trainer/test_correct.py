@@ -1,4 +1,4 @@
-""""Correct" is the task's word: accuracy, eval/pass@k and the refill filter ask the main reward function
+""" "Correct" is the task's word: accuracy, eval/pass@k and the refill filter ask the main reward function
 (a reward of at least reward.correct_threshold, or the function's own @correct_when verdict), whatever the
 task; and an advantage estimator registered from outside the package trains."""
 
@@ -30,7 +30,9 @@ def test_accuracy_and_pass_at_1_follow_a_non_math_reward(tiny, tmp_path, monkeyp
     calls = _spy_scores(monkeypatch)
     cfg = load_config(
         compose(
-            overrides(tiny, tmp_path / "run", "reward.fn=rlkit_test_rewards:length_target", "trainer.eval_every=1")
+            overrides(
+                tiny, tmp_path / "run", "reward.fn=rlkit_test_rewards:length_target", "trainer.eval_every=1"
+            )
         )
     )
     history = run(cfg)
@@ -57,7 +59,11 @@ def test_refill_filter_accuracy_follows_the_functions_verdict(tiny, tmp_path, mo
         return real(metric, group_size)
 
     monkeypatch.setattr(producer, "informative_groups", spy)
-    extra = ["reward.fn=rlkit_test_rewards:lenient", "algo.dynamic_sampling=refill", "algo.filter_metric=accuracy"]
+    extra = [
+        "reward.fn=rlkit_test_rewards:lenient",
+        "algo.dynamic_sampling=refill",
+        "algo.filter_metric=accuracy",
+    ]
     run(load_config(compose(overrides(tiny, tmp_path / "run", "trainer.steps=1", *extra))))
     train = [r for r, is_eval in calls if not is_eval]
     assert len(seen) == len(train) >= 1

@@ -274,7 +274,9 @@ def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatc
 
     # The engine keeps its initial weights while the learner moves (large lr): the check at the step
     # right after the first push must stop the run, also when only 2 samples are re-scored.
-    monkeypatch.setattr(rlkit.rollout.local, "push_weights", lambda export, engine: {"bytes": 0, "seconds": 0.0})
+    monkeypatch.setattr(
+        rlkit.rollout.local, "push_weights", lambda export, engine: {"bytes": 0, "seconds": 0.0}
+    )
     with pytest.raises(WeightSyncError, match="after the first weight push"):
         train(
             tiny,

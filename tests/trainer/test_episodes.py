@@ -268,9 +268,9 @@ def test_multi_turn_logprobs_equal_learner_recomputation_and_observations_are_ma
 def test_multiturn_start_up_check_of_the_chat_template(tok):
     import copy
 
+    from rlkit.config.rules import parse
     from rlkit.config.schema import ConfigError
     from rlkit.rollout.episodes import check_multiturn_template
-    from rlkit.config.rules import parse
     from rlkit.train import compose
 
     cfg = parse(compose(["+recipe=calculator", "model.path=tiny-test"]))  # the schema's rules only: no model
