@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlkit.config import REPO_ROOT
+from rlkit.config.schema import REPO_ROOT
 
 # What the wheel is built from (copied, so that the build leaves no build/ or egg-info in the checkout).
 SOURCES = ["pyproject.toml", "setup.py", "README.md", "LICENSE", "rlkit", "configs", "recipes"]
@@ -69,7 +69,7 @@ def test_wheel_installs_alone_and_trains_from_any_folder(tmp_path):
     # --ignore-installed: never touch the rlkit installed in the borrowed environment
     _ok(_run([python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel], empty))
     where = _ok(
-        _run([python, "-c", "import rlkit.config as c; print(c.__file__); print(c.CONFIG_DIR)"], empty)
+        _run([python, "-c", "import rlkit.config.schema as c; print(c.__file__); print(c.CONFIG_DIR)"], empty)
     )
     module, config_dir = where.split()
     assert Path(module).is_relative_to(purelib) and Path(config_dir) == purelib / "rlkit" / "configs"

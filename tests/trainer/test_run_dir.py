@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.config import REPO_ROOT
+from rlkit.config.schema import REPO_ROOT
 
 # `python -m rlkit.train` with a clock that moves one second at every reading, stopping after the config is
 # validated: prints the run dir the trainer would use, the run's name and Hydra's output dir.
@@ -33,7 +33,7 @@ hydra.core.utils.datetime = Clock  # what Hydra's `now` resolver reads
 
 import rlkit.train as train
 from hydra.core.hydra_config import HydraConfig
-from rlkit.config import load_config
+from rlkit.train import load_config
 
 
 def report(cfg):
