@@ -22,6 +22,24 @@ import torch
 from torch import Tensor
 
 FINISH_REASONS = ("stop", "length")
+# RolloutBatch.stats that add up when batches are stacked: generated tokens, seconds, and the sums of the
+# finished sequences' lengths and squared lengths (prompt + response: what generation's FLOPs need).
+SUMMED_STATS = ("gen_tokens", "gen_seconds", "gen_seq_tokens", "gen_seq_tokens_sq")
+
+
+def generation_stats(prompt_mask: Tensor, sequence_mask: Tensor, generated: Tensor, seconds: float) -> dict:
+    """The statistics every engine reports for a batch: `gen_tokens` (the `generated` mask's sum),
+    `gen_seconds`, `gen_tokens_per_s`, and `gen_seq_tokens` / `gen_seq_tokens_sq`, the sums of each finished
+    sequence's length (prompt + every response token in `sequence_mask`) and of its square."""
+    lengths = (prompt_mask.sum(-1) + sequence_mask.sum(-1)).double()
+    tokens = float(generated.sum())
+    return {
+        "gen_tokens": tokens,
+        "gen_seconds": seconds,
+        "gen_tokens_per_s": tokens / max(seconds, 1e-9),
+        "gen_seq_tokens": float(lengths.sum()),
+        "gen_seq_tokens_sq": float(lengths.square().sum()),
+    }
 
 
 def _check_rows(obj, n: int, t: int | None = None) -> None:

@@ -153,8 +153,9 @@ def step_statistics(
     produced: ScoredBatch, mask: Tensor, zero_std: Tensor, *, staleness: int, world: int, device
 ) -> dict:
     """The step's global per-sample statistics and counters (reward, accuracy, lengths, reward terms, environment
-    counts), gathered in one collective (ranks hold equal numbers of samples); 0-dim tensors, plus
-    `gen_tokens` (the generated tokens over all ranks, for throughput)."""
+    counts), gathered in one collective (ranks hold equal numbers of samples); 0-dim tensors, plus the
+    generation counters over all ranks (`gen_tokens`, `gen_seq_tokens`, `gen_seq_tokens_sq`) for throughput
+    and MFU."""
     rb = produced.rollout
     columns = {
         "reward": produced.rewards,
@@ -169,6 +170,8 @@ def step_statistics(
         "reward/errors": produced.errors, "reward/timeouts": produced.timeouts,
         "env/errors": produced.env_errors, "env/timeouts": produced.env_timeouts,
         "gen_tokens": rb.stats.get("gen_tokens", mask.sum()),
+        "gen_seq_tokens": rb.stats.get("gen_seq_tokens", 0.0),
+        "gen_seq_tokens_sq": rb.stats.get("gen_seq_tokens_sq", 0.0),
     }  # fmt: skip
     n = rb.num_samples
     local = torch.cat(
@@ -194,6 +197,8 @@ def step_statistics(
         "reward/errors": count["reward/errors"],
         "reward/timeouts": count["reward/timeouts"],
         "gen_tokens": count["gen_tokens"],
+        "gen_seq_tokens": count["gen_seq_tokens"],
+        "gen_seq_tokens_sq": count["gen_seq_tokens_sq"],
     }
     for name in produced.per_fn:
         short = name.split(":")[-1].split(".")[-1]  # module:fn -> fn

@@ -39,6 +39,7 @@ from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
+from rlkit.flops import device_peak
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
@@ -131,6 +132,11 @@ class Trainer:
         self.group_size = cfg.rollout.group_size
         self.learner = Learner(cfg, self.accelerator)
         self.device = self.learner.device
+        # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
+        peak = device_peak(self.device, self.learner.compute_dtype, t.peak_tflops) if self.is_main else None
+        self.peak, source = broadcast_object(peak, self.world)
+        if self.is_main:
+            log.info("peak of one device for MFU: %.1f TFLOP/s (%s)", self.peak / 1e12, source)
         # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
         if t.mode == "sync":
             self.rollouts = LocalRollouts(
@@ -216,11 +222,20 @@ class Trainer:
         stats.update(update_metrics)
         metrics = to_host(stats)
         tokens = metrics.pop("gen_tokens")
+        seq, seq_sq = metrics.pop("gen_seq_tokens"), metrics.pop("gen_seq_tokens_sq")
         metrics.update(timers.seconds)
         elapsed = time.perf_counter() - step_start
+        gen_s = max(timers.seconds["timing/generate_s"], 1e-9)
         metrics["timing/step_s"] = elapsed
         metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-        metrics["perf/gen_tokens_per_s"] = tokens / max(timers.seconds["timing/generate_s"], 1e-9)
+        metrics["perf/gen_tokens_per_s"] = tokens / gen_s
+        # MFU: model FLOPs (rlkit/flops.py) over the peak of every device for the phase's wall time.
+        shape, devices = self.learner.shape, self.peak * self.world
+        gen_flops = 2 * shape.matmul_params * seq + 4 * shape.layers * shape.attention_width * seq_sq
+        metrics["perf/gen_mfu"] = gen_flops / (gen_s * devices)
+        metrics["perf/learner_mfu"] = metrics["learner/flops"] / (
+            max(metrics["learner/seconds"], 1e-9) * devices
+        )
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
         metrics["perf/peak_memory_gb"] = peak_memory_gb()
         if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness

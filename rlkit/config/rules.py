@@ -125,6 +125,7 @@ RANGES: dict[str, Range] = {
     "trainer.keep_last": _ge(0),
     "trainer.num_processes": _ge(1),
     "trainer.collective_timeout_s": _gt(0),
+    "trainer.peak_tflops": _gt(0),
     "trainer.logprob_chunk_tokens": _ge(0),  # 0 = full logits
     "trainer.max_staleness": _ge(0),
     "trainer.rollout_gpus": _ge(1),

@@ -312,6 +312,9 @@ class TrainerConfig:
     """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one device for perf/learner_mfu and perf/gen_mfu; null = the datasheet's dense bf16
+    figure on CUDA (a table by device name), a short matmul benchmark at the compute dtype on CPU."""
     collective_timeout_s: float = 600.0
     """With several processes: a collective that waits longer than this (a rank hung, stopped or dead) ends
     every rank with an error naming the rank that stopped."""

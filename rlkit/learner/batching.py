@@ -63,6 +63,14 @@ class Micro:
     def padding(self) -> bool:
         return self.rows is None
 
+    def token_counts(self, *, packed: bool) -> tuple[int, int]:
+        """(real tokens, tokens the model runs on): real = each row's prompt + response extent (0 for a
+        padding micro-batch); run = the packed sequence's length, or rows x (prompt width + response width)."""
+        real = 0 if self.padding else sum(p + r for p, r in self.lens)
+        if packed:
+            return real, sum(max(1, p) + max(1, r) for p, r in self.lens)
+        return real, len(self.lens) * (self.prompt_len + self.response_len)
+
 
 def row_lengths(prompt_mask: Tensor, response_mask: Tensor) -> tuple[list[int], list[int]]:
     """Host lists of each row's prompt length and response extent (last True + 1). One host sync."""
@@ -175,12 +183,11 @@ def padding_micro(batch) -> Micro:
 
 
 def local_counts(mb: TrainBatch | None, device) -> Tensor:
-    """[loss tokens, rows with a loss token, rows, real prompt+response tokens] of a mini-batch."""
+    """[loss tokens, rows with a loss token, rows] of a mini-batch."""
     if mb is None:
-        return torch.zeros(4, dtype=torch.float64, device=device)
+        return torch.zeros(3, dtype=torch.float64, device=device)
     mask = mb.response_mask.bool()
-    real = mb.prompt_mask.sum() + mask.sum()
-    counts = [mask.sum(), mask.any(-1).sum(), torch.tensor(mask.shape[0]), real]
+    counts = [mask.sum(), mask.any(-1).sum(), torch.tensor(mask.shape[0])]
     return torch.stack([x.to(device, torch.float64) for x in counts])
 
 
@@ -194,8 +201,6 @@ class MiniBatch:
     """Loss tokens of the global mini-batch (token-mean's denominator)."""
     num_seqs: Tensor
     """Rows of the global mini-batch the sequence means divide by."""
-    processed: Tensor
-    """Real prompt + response tokens of this mini-batch on all ranks."""
     norm_len: int
     """seq-mean-token-sum-norm's length constant."""
 
@@ -226,5 +231,5 @@ def plan_minibatches(
         ms = ms + [padding_micro(batch)] * (max(1, count) - len(ms))
         # seq-mean-token-sum-norm divides by all rows, the seq-mean modes by rows with a loss token.
         rows = s[2] if agg_mode == "seq-mean-token-sum-norm" else s[1]
-        plans.append(MiniBatch(ms, s[0], rows, s[3], norm_len if norm_len is not None else max(1, width)))
+        plans.append(MiniBatch(ms, s[0], rows, norm_len if norm_len is not None else max(1, width)))
     return plans

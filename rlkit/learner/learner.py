@@ -37,6 +37,7 @@ from torch import Tensor
 
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
+from rlkit.flops import ModelShape, sequence_flops
 from rlkit.learner import checkpoint, optim
 from rlkit.learner.batching import (
     Micro,
@@ -129,6 +130,7 @@ class Learner:
             self.value_scheduler = optim.scheduler(self.value_optimizer, t, self.total_steps)
         self.global_step = 0
         self.manifest = self._manifest()
+        self.shape = ModelShape.of(acc.unwrap_model(self.model))  # for the FLOP count
 
     def _prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """The frozen reference: under FSDP2 sharded like the policy (each rank holds 1/world of it and
@@ -240,9 +242,10 @@ class Learner:
 
         merger = MetricMerger()
         step_metrics: list[dict[str, Tensor]] = []
+        counts = [0.0, 0.0, 0.0]  # real tokens, tokens the model ran on, model FLOPs (host numbers: no sync)
         for _ in range(self.algo.ppo_epochs):
             for mb in plans:
-                self._accumulate(mb, merger)
+                counts = [a + b for a, b in zip(counts, self._accumulate(mb, merger))]
                 step_metrics.append(self._optimizer_step())
 
         result = merger.compute()
@@ -255,9 +258,15 @@ class Learner:
                 result[k] = torch.where(tokens > 0, v, torch.full_like(v, float("nan")))
         for k in step_metrics[0]:
             result[k] = torch.stack([s[k] for s in step_metrics]).mean()
-        processed = sum(mb.processed for mb in plans) * self.algo.ppo_epochs
+        real, run, flops = all_reduce(torch.tensor(counts, dtype=torch.float64), self.world_size).tolist()
         result = {k: v.detach().float().cpu() for k, v in result.items()}
-        result["learner/tokens_per_s"] = torch.tensor(float(processed) / (time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        # Counted, not assumed: the rows that went through forward and backward (zero-std rows are skipped).
+        result["learner/tokens"] = torch.tensor(real)
+        result["learner/run_tokens"] = torch.tensor(run)
+        result["learner/flops"] = torch.tensor(flops)
+        result["learner/seconds"] = torch.tensor(seconds)
+        result["learner/tokens_per_s"] = torch.tensor(real / seconds)
         return result
 
     def accumulate_gradients(self, batch: TrainBatch) -> dict[str, Tensor]:
@@ -277,14 +286,22 @@ class Learner:
         if self.value_optimizer is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
 
-    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> None:
-        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only)."""
+    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> tuple[float, float, float]:
+        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only);
+        returns this rank's (real tokens, tokens run, model FLOPs of the real tokens)."""
+        real = run = flops = 0.0
+        packed = self.cfg.trainer.pack_sequences
         for i, m in enumerate(mb.micros):
             with self._no_sync(last=i == len(mb.micros) - 1):
                 loss, metrics, weight = self._micro_loss(m, mb)
                 # DDP / FSDP average gradients over ranks; the loss is already this rank's share of the sum.
                 self.accelerator.backward(loss * self.world_size)
             merger.add(metrics, weight)
+            r, n = m.token_counts(packed=packed)
+            real, run = real + r, run + n
+            if not m.padding:
+                flops += sum(sequence_flops(self.shape, p + t, training=True) for p, t in m.lens)
+        return real, run, flops
 
     def _no_sync(self, last: bool):
         """Skip the gradient all-reduce on all but the last micro-batch of a mini-batch."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlkit.batch import RolloutBatch
+from rlkit.batch import RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
 from rlkit.envs import SingleTurn, make_env
 from rlkit.rollout.engines.base import rows_to_batch
@@ -244,12 +244,7 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, er
     model_mask = torch.zeros_like(batch.response_mask)
     for r, e in enumerate(episodes):
         model_mask[r, : len(e.model)] = torch.tensor(e.model, dtype=torch.bool)
-    gen_tokens = float(model_mask.sum())
-    stats = {
-        "gen_tokens": gen_tokens,
-        "gen_seconds": gen_seconds,
-        "gen_tokens_per_s": gen_tokens / max(gen_seconds, 1e-9),
-    }
+    stats = generation_stats(batch.prompt_mask, batch.response_mask, model_mask, gen_seconds)
     return EpisodeBatch(
         rollout=dataclasses.replace(batch, response_mask=model_mask, stats=stats),
         env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),

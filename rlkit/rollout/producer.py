@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlkit.algos.advantages import ESTIMATORS, overlong_penalty, zero_std_groups
-from rlkit.batch import ScoredBatch
+from rlkit.batch import SUMMED_STATS, ScoredBatch
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError
 from rlkit.data.loading import load_splits
@@ -286,9 +286,7 @@ class Producer:
         """This rank's ScoredBatch of its share of the chosen (generation batch, global group) pairs; the
         counters and throughput are what this rank generated."""
         groups = self._exchange(pieces, chosen)
-        stats = {
-            k: sum(p["rollout"].stats.get(k, 0.0) for p in pieces) for k in ("gen_tokens", "gen_seconds")
-        }
+        stats = {k: sum(p["rollout"].stats.get(k, 0.0) for p in pieces) for k in SUMMED_STATS}
         rb = dataclasses.replace(concat_rollouts([x["rollout"] for x in groups]), stats=stats)
         return ScoredBatch(
             rollout=rb,

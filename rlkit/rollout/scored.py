@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from rlkit.batch import RolloutBatch, ScoredBatch
+from rlkit.batch import SUMMED_STATS, RolloutBatch, ScoredBatch
 
 
 def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -34,7 +34,7 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
         group_index=torch.cat([b.group_index + off for b, off in zip(parts, offsets.tolist())]),
         group_size=parts[0].group_size,
         response_texts=tuple(t for b in parts for t in b.response_texts),
-        stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in ("gen_tokens", "gen_seconds")},
+        stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in SUMMED_STATS},
     )
 
 
@@ -63,7 +63,7 @@ def merge_scored(parts: list[ScoredBatch]) -> ScoredBatch:
     Counters add up; `stats` (global already) and `policy_version` come from the first share.
     """
     first = parts[0]
-    rb = concat_rollouts([p.rollout for p in parts])  # sums gen_tokens / gen_seconds
+    rb = concat_rollouts([p.rollout for p in parts])  # sums the SUMMED_STATS
     return dataclasses.replace(
         first,
         rollout=rb,

@@ -341,3 +341,24 @@ def test_full_batch_reference_is_independent_of_padding_width(tiny_model_dir):
         b, _ = full_batch_logprobs(model, wide, 1.0)
     m = batch.response_mask
     torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+
+
+def test_learner_counts_the_tokens_it_runs_and_skips_empty_rows(tiny_model_dir):
+    learner = Learner(config(tiny_model_dir))
+    batch = make_batch(n=6, seed=7)
+    mask = batch.response_mask.clone()
+    mask[1] = False  # a zero-std row: skipped by the learner
+    mask[4] = False
+    batch = dataclasses.replace(batch, response_mask=mask)
+    kept = mask.any(-1)
+    real = int(batch.prompt_mask[kept].sum() + mask[kept].sum())
+    metrics = learner.update(batch)
+    assert metrics["learner/tokens"].item() == real
+    shape = learner.shape
+    lengths = (batch.prompt_mask.sum(-1) + mask.sum(-1))[kept].tolist()
+    by_hand = sum(
+        t * (6 * shape.matmul_params + 12 * shape.layers * shape.attention_width * t) for t in lengths
+    )
+    assert abs(metrics["learner/flops"].item() - by_hand) <= 1e-9 * by_hand
+    # Padded micro-batches run at least the real tokens; their count is the tensors' widths, not the masks.
+    assert metrics["learner/run_tokens"].item() >= real

@@ -249,6 +249,7 @@ OUT_OF_RANGE = {
     "trainer.warmup_steps": -1, "trainer.max_grad_norm": -1.0, "trainer.max_tokens_per_microbatch": 0,
     "trainer.seed": -1, "trainer.eval_every": -1, "trainer.save_every": -1, "trainer.keep_last": -1,
     "trainer.num_processes": 0, "trainer.collective_timeout_s": 0.0, "trainer.logprob_chunk_tokens": -1,
+    "trainer.peak_tflops": 0.0,
     "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
     "trainer.max_staleness": -1, "trainer.rollout_gpus": 0,

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rlkit.batch import RolloutBatch
+from rlkit.batch import RolloutBatch, generation_stats
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,6 @@ def rows_to_batch(
 
 
 def record_throughput(batch: RolloutBatch, seconds: float) -> RolloutBatch:
-    """Add the engine statistics every engine reports (`gen_tokens`, `gen_seconds`, `gen_tokens_per_s`)."""
-    gen_tokens = int(batch.response_mask.sum())
-    stats = dict(
-        gen_tokens=float(gen_tokens), gen_seconds=seconds, gen_tokens_per_s=gen_tokens / max(seconds, 1e-9)
-    )
-    return dataclasses.replace(
-        batch, stats={**batch.stats, **stats}
-    )  # a new batch: frozen ones stay as they are
+    """A new batch with the engine statistics every engine reports (rlkit.batch.generation_stats)."""
+    stats = generation_stats(batch.prompt_mask, batch.response_mask, batch.response_mask, seconds)
+    return dataclasses.replace(batch, stats={**batch.stats, **stats})  # frozen batches stay as they are
