@@ -58,6 +58,10 @@ class WeightSyncError(RuntimeError):
     """The rollout engine's weights differ from the learner's (the weight push did not happen)."""
 
 
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm (trainer.max_nonfinite_steps)."""
+
+
 def check_config(cfg: RLConfig) -> None:
     """The keys the loop owns: trainer.mode (and async's), run_dir, resume (raises ConfigError)."""
     t, r = cfg.trainer, cfg.rollout
@@ -437,6 +441,8 @@ class Trainer:
             # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
             if self.logger is not None:
                 self.logger.log(metrics, step=self.step)
+            # Before the checkpoint: the last one written stays the last good one.
+            self._check_nonfinite(metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                 bar.update(1)
@@ -450,6 +456,23 @@ class Trainer:
                     "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
                 )
                 break
+
+    def _check_nonfinite(self, metrics: dict[str, float]) -> None:
+        """Stop once `trainer.max_nonfinite_steps` optimizer steps in a row were skipped (rlkit/learner/optim.py):
+        the weights never took a non-finite update, but a run that cannot take a step is not training."""
+        limit, run = self.cfg.trainer.max_nonfinite_steps, self.learner.nonfinite_run
+        if run < limit:
+            return
+        t = self.cfg.trainer
+        raise NonFiniteError(
+            f"step {self.step}: {run} optimizer steps in a row were skipped for a non-finite loss or gradient "
+            f"norm (trainer.max_nonfinite_steps={limit}; loss/total={metrics.get('loss/total')}, grad_norm="
+            f"{metrics.get('grad_norm')}). The weights were not updated by those steps and no checkpoint was "
+            f"written from them. Likely causes: the learning rate is too high (trainer.lr={t.lr}), rewards out of "
+            f"range (reward/mean={metrics.get('reward/mean')}, reward/errors={metrics.get('reward/errors')}), "
+            "or a loss term that overflows (algo.* coefficients, bf16). Resume from the last checkpoint with a "
+            "lower trainer.lr, or check the reward function."
+        )
 
     def _plot(self) -> None:
         """Curves for a user without W&B: `<run_dir>/curves.png` (redraw: scripts/plot_run.py RUN_DIR)."""

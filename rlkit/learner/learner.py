@@ -54,6 +54,8 @@ from rlkit.metrics import MetricMerger
 from rlkit.models import load_causal_lm, resolve_model
 from rlkit.weights import Export, iter_full_parameters, module_manifest
 
+NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
+
 
 @dataclass
 class LogProbs:
@@ -128,6 +130,7 @@ class Learner:
             self.value_model, self.value_optimizer = acc.prepare(critic, optim.adamw(critic, t))
             self.value_scheduler = optim.scheduler(self.value_optimizer, t, self.total_steps)
         self.global_step = 0
+        self.nonfinite_run = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
         self.manifest = self._manifest()
 
     def _prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -242,8 +245,8 @@ class Learner:
         step_metrics: list[dict[str, Tensor]] = []
         for _ in range(self.algo.ppo_epochs):
             for mb in plans:
-                self._accumulate(mb, merger)
-                step_metrics.append(self._optimizer_step())
+                finite = self._accumulate(mb, merger)
+                step_metrics.append(self._optimizer_step(finite))
 
         result = merger.compute()
         # With no loss token anywhere (every group zero-std), per-token statistics such as the
@@ -253,12 +256,26 @@ class Learner:
         for k, v in result.items():
             if not k.startswith("loss/"):
                 result[k] = torch.where(tokens > 0, v, torch.full_like(v, float("nan")))
+        skipped = torch.stack([s.pop("skipped") for s in step_metrics])
         for k in step_metrics[0]:
             result[k] = torch.stack([s[k] for s in step_metrics]).mean()
+        result[NONFINITE_METRIC] = skipped.sum()
         processed = sum(mb.processed for mb in plans) * self.algo.ppo_epochs
         result = {k: v.detach().float().cpu() for k, v in result.items()}
+        self._count_skipped(skipped.cpu().tolist())  # already on the host with the metrics: no extra sync
         result["learner/tokens_per_s"] = torch.tensor(float(processed) / (time.perf_counter() - start))
         return result
+
+    def _count_skipped(self, skipped: list[bool]) -> None:
+        """Host-side bookkeeping of the update's skipped steps: the schedule counts applied steps only, and
+        `nonfinite_run` the skipped optimizer steps in a row (the trainer stops the run past a limit)."""
+        n = int(sum(skipped))
+        for opt_scheduler in (self.scheduler, self.value_scheduler):
+            if opt_scheduler is not None:
+                optim.unschedule(opt_scheduler, n)
+        self.global_step -= n
+        for s in skipped:
+            self.nonfinite_run = self.nonfinite_run + 1 if s else 0
 
     def accumulate_gradients(self, batch: TrainBatch) -> dict[str, Tensor]:
         """Accumulate into `.grad` the gradient of the loss over the whole global batch, no optimizer step.
@@ -277,14 +294,18 @@ class Learner:
         if self.value_optimizer is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
 
-    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> None:
-        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only)."""
+    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> Tensor:
+        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only).
+        Returns whether every micro-batch's loss was finite (a 0-dim bool tensor: no host sync)."""
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
         for i, m in enumerate(mb.micros):
             with self._no_sync(last=i == len(mb.micros) - 1):
                 loss, metrics, weight = self._micro_loss(m, mb)
+                finite = finite & torch.isfinite(loss.detach())
                 # DDP / FSDP average gradients over ranks; the loss is already this rank's share of the sum.
                 self.accelerator.backward(loss * self.world_size)
             merger.add(metrics, weight)
+        return finite
 
     def _no_sync(self, last: bool):
         """Skip the gradient all-reduce on all but the last micro-batch of a mini-batch."""
@@ -308,21 +329,24 @@ class Learner:
             self.algo, self.kl_coef, tok, tok("response_mask").bool(), mb, logp, entropy, values
         )
 
-    def _optimizer_step(self) -> dict[str, Tensor]:
-        """Clip, step, schedule and zero the grads of the policy (and critic); returns grad norms and lr."""
-        out = {}
-        out["grad_norm"], out["lr"] = optim.step(
-            self.accelerator, self.model, self.optimizer, self.scheduler, self.max_grad_norm
-        )
+    def _optimizer_step(self, finite_loss: Tensor) -> dict[str, Tensor]:
+        """Clip, step, schedule and zero the grads of the policy (and critic); returns grad norms, lr and
+        `skipped`. A non-finite loss (on any rank) or gradient norm skips the step of both models, decided
+        on the device: the gradients are dropped and neither the weights nor the optimizer state change."""
+        out = {"grad_norm": optim.clip(self.accelerator, self.model, self.max_grad_norm)}
         if self.value_model is not None:
-            out["value/grad_norm"], _ = optim.step(
-                self.accelerator,
-                self.value_model,
-                self.value_optimizer,
-                self.value_scheduler,
-                self.max_grad_norm,
-            )
+            out["value/grad_norm"] = optim.clip(self.accelerator, self.value_model, self.max_grad_norm)
+        finite = finite_loss.to(self.device)
+        for norm in out.values():
+            finite = finite & torch.isfinite(norm.to(self.device))
+        if self.world_size > 1:  # every rank skips the same steps (a loss is per rank, a norm global)
+            finite = all_reduce(finite.to(torch.int32), self.world_size, op=dist.ReduceOp.MIN).bool()
+        skip = ~finite
+        out["lr"] = optim.step(self.optimizer, self.scheduler, skip)
+        if self.value_model is not None:
+            optim.step(self.value_optimizer, self.value_scheduler, skip)
         self.global_step += 1
+        out["skipped"] = skip
         return {k: v.detach().float().to(self.device) for k, v in out.items()}
 
     # -- weights and checkpoints ---------------------------------------------------------------
