@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -56,10 +57,6 @@ MODES = ("sync", "async")  # trainer.mode
 
 class WeightSyncError(RuntimeError):
     """The rollout engine's weights differ from the learner's (the weight push did not happen)."""
-
-
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient norm (trainer.max_nonfinite_steps)."""
 
 
 def check_config(cfg: RLConfig) -> None:
@@ -129,7 +126,7 @@ class Trainer:
         self.run_dir = Path(broadcast_object(str(Path(t.run_dir).resolve()), self.world))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._run_lock = self._guard_run_dir()
+        self._run_lock, resume_from = self._guard_run_dir()
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.group_size = cfg.rollout.group_size
@@ -147,7 +144,6 @@ class Trainer:
         self.step = 0
         self.wandb_id = None
         self._stop_signal: int | None = None
-        resume_from = rundir.resume_path(self.run_dir, t.resume)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
 
@@ -162,9 +158,10 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
 
     def _guard_run_dir(self):
-        """Lock run_dir for this run and check what it holds, on rank 0 before any model loads (see
-        rlkit.rundir); every rank raises rank 0's error. Returns the lock (rank 0) or None."""
-        lock = error = None
+        """Lock run_dir for this run, check what it holds and choose the checkpoint to resume from (the
+        newest that verifies: rlkit.rundir), on rank 0 before any model loads; every rank raises rank 0's
+        error. Returns (the lock on rank 0 else None, the checkpoint or None)."""
+        lock = error = resume_from = None
         if self.is_main:
             try:
                 lock = rundir.RunDirLock(self.run_dir)
@@ -178,10 +175,10 @@ class Trainer:
                 if lock is not None:
                     lock.release()
                 error = e
-        error = broadcast_object(error, self.world)
+        error, resume_from = broadcast_object((error, resume_from), self.world)
         if error is not None:
             raise error
-        return lock
+        return lock, resume_from
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -340,11 +337,18 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete."""
+        """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete (with
+        `checksums.json`, rlkit.rundir). Never from non-finite weights; on any failure (a full disk: "no
+        space left") the temporary directory is removed and the previous checkpoint is left as it was."""
         tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
-        if self.is_main:
-            import shutil
+        self.learner.check_finite(f"step {self.step}: checkpoint {final}", self.run_dir)
+        with rundir.writing_checkpoint(tmp, main=self.is_main):
+            self._write_checkpoint(tmp, final)
+        log.info("checkpoint written: %s", final)
+        return final
 
+    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
+        if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
@@ -356,8 +360,6 @@ class Trainer:
             rundir.commit_checkpoint(tmp, final, state)
             rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
         self.accelerator.wait_for_everyone()
-        log.info("checkpoint written: %s", final)
-        return final
 
     def _load_checkpoint(self, path: Path) -> None:
         state = rundir.checkpoint_state(path)
@@ -442,7 +444,7 @@ class Trainer:
             if self.logger is not None:
                 self.logger.log(metrics, step=self.step)
             # Before the checkpoint: the last one written stays the last good one.
-            self._check_nonfinite(metrics)
+            self.learner.check_nonfinite(self.step, metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                 bar.update(1)
@@ -456,23 +458,6 @@ class Trainer:
                     "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
                 )
                 break
-
-    def _check_nonfinite(self, metrics: dict[str, float]) -> None:
-        """Stop once `trainer.max_nonfinite_steps` optimizer steps in a row were skipped (rlkit/learner/optim.py):
-        the weights never took a non-finite update, but a run that cannot take a step is not training."""
-        limit, run = self.cfg.trainer.max_nonfinite_steps, self.learner.nonfinite_run
-        if run < limit:
-            return
-        t = self.cfg.trainer
-        raise NonFiniteError(
-            f"step {self.step}: {run} optimizer steps in a row were skipped for a non-finite loss or gradient "
-            f"norm (trainer.max_nonfinite_steps={limit}; loss/total={metrics.get('loss/total')}, grad_norm="
-            f"{metrics.get('grad_norm')}). The weights were not updated by those steps and no checkpoint was "
-            f"written from them. Likely causes: the learning rate is too high (trainer.lr={t.lr}), rewards out of "
-            f"range (reward/mean={metrics.get('reward/mean')}, reward/errors={metrics.get('reward/errors')}), "
-            "or a loss term that overflows (algo.* coefficients, bf16). Resume from the last checkpoint with a "
-            "lower trainer.lr, or check the reward function."
-        )
 
     def _plot(self) -> None:
         """Curves for a user without W&B: `<run_dir>/curves.png` (redraw: scripts/plot_run.py RUN_DIR)."""

@@ -52,6 +52,7 @@ from rlkit.learner.loss import micro_loss
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import load_causal_lm, resolve_model
+from rlkit.rundir import CheckpointError, latest_checkpoint
 from rlkit.weights import Export, iter_full_parameters, module_manifest
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
@@ -372,6 +373,34 @@ class Learner:
     def export(self) -> Export:
         """The policy's weights as the rollout side receives them (rlkit.weights)."""
         return Export(self.manifest, self.named_weights)
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters (policy and critic) holding NaN or inf, the same list on every rank (one
+        collective; a sharded parameter is checked shard by shard). A host sync: call it outside the step."""
+        named = [
+            (f"{prefix}{n}", p)
+            for prefix, model in (("", self.model), ("value_model.", self.value_model))
+            if model is not None
+            for n, p in self.accelerator.unwrap_model(model).named_parameters()
+        ]
+        local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]
+        bad = torch.stack([~torch.isfinite(t.detach()).all() for t in local]).to(torch.int32)
+        bad = all_reduce(bad, self.world_size, op=dist.ReduceOp.MAX).tolist()
+        return [name for (name, _), b in zip(named, bad) if b]
+
+    def check_finite(self, what: str, run_dir: str | Path) -> None:
+        """Refuse (`CheckpointError`) to write `what` from weights holding NaN or inf."""
+        bad = self.nonfinite_parameters()
+        if bad:
+            raise CheckpointError(
+                f"{what}: refusing to write it, parameters hold NaN or inf ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}); the previous checkpoint ({latest_checkpoint(run_dir)}) "
+                "is kept. Resume from it with a lower trainer.lr."
+            )
+
+    def check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+        """Stop the run (`NonFiniteError`) after `trainer.max_nonfinite_steps` skipped steps in a row."""
+        optim.check_nonfinite_run(self.nonfinite_run, step, metrics, self.cfg.trainer)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """`dir/model` (HF format), `dir/value_model` (critic), `dir/state`; every rank must call it."""

@@ -20,6 +20,10 @@ from rlkit.learner.strategy import plain
 LR_SCHEDULES = ("constant", "cosine")  # trainer.lr_schedule
 
 
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm (trainer.max_nonfinite_steps)."""
+
+
 def adamw(model: torch.nn.Module, trainer) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (with LoRA: the adapters only) with `trainer.*`'s settings."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -77,6 +81,23 @@ def unschedule(scheduler, skipped: int) -> None:
         return
     scheduler.last_epoch -= skipped + 1
     scheduler.step()  # recomputes the learning rates of the optimizer's groups at the restored position
+
+
+def check_nonfinite_run(run: int, step: int, metrics: dict[str, float], trainer) -> None:
+    """Raise `NonFiniteError` once `trainer.max_nonfinite_steps` optimizer steps in a row were skipped: the
+    weights never took a non-finite update, but a run that cannot take a step is not training."""
+    limit = trainer.max_nonfinite_steps
+    if run < limit:
+        return
+    raise NonFiniteError(
+        f"step {step}: {run} optimizer steps in a row were skipped for a non-finite loss or gradient norm "
+        f"(trainer.max_nonfinite_steps={limit}; loss/total={metrics.get('loss/total')}, grad_norm="
+        f"{metrics.get('grad_norm')}). Those steps did not change the weights and no checkpoint was written "
+        f"from them. Likely causes: a learning rate too high (trainer.lr={trainer.lr}), rewards out of range "
+        f"(reward/mean={metrics.get('reward/mean')}, reward/errors={metrics.get('reward/errors')}), or a loss "
+        "term that overflows (algo.* coefficients, bf16). Resume from the last checkpoint with a lower "
+        "trainer.lr, or check the reward function."
+    )
 
 
 def check_config(cfg) -> None:
