@@ -9,7 +9,8 @@ One `update(batch)` call, top to bottom:
    the micro-batch counts (MAX) and the loss denominators (SUM) once (batching.py);
 4. for each epoch and mini-batch: run every micro-batch (padding ones included, so each rank runs the
    same number), assemble its loss with the GLOBAL denominators (loss.py), backward, then clip, step
-   and schedule (optim.py).
+   and schedule (optim.py); a step whose loss or gradient norm is not finite is skipped on the device
+   and counted (`train/nonfinite_steps`), and the count reaches the host with the metrics.
 
 Why global denominators: `token-mean` over a mini-batch split into micro-batches on several ranks is
 sum(loss * mask) / (tokens in the whole mini-batch on all ranks). Each micro-batch divides its own sum by
