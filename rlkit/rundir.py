@@ -42,7 +42,6 @@ CHECKPOINTS = "checkpoints"
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"  # its presence marks a checkpoint complete
 CHECKSUMS = "checksums.json"  # size and sha256 of every other file of a checkpoint, written last
-WEIGHT_DIRS = ("model", "value_model", "adapter", "state")  # their *.safetensors must hold finite numbers
 PENDING_FILE = "rollouts.safetensors"  # async: batches generated and not trained yet (tensors only)
 
 
@@ -189,19 +188,33 @@ def write_checksums(directory: Path) -> None:
     (directory / CHECKSUMS).write_text(json.dumps({"files": files}, indent=1))
 
 
+def _weight_files(checkpoint: Path) -> list[Path]:
+    """The weights a checkpoint holds as safetensors: the HF exports and accelerate's model states."""
+    files = [
+        p
+        for sub in ("model", "value_model", "adapter")
+        for p in sorted((checkpoint / sub).glob("*.safetensors"))
+    ]
+    return files + sorted((checkpoint / "state").glob("model*.safetensors"))
+
+
 def nonfinite_weights(checkpoint: str | Path) -> str | None:
-    """The first `file: tensor` of the checkpoint's weights holding NaN or inf, or None."""
+    """The first `file: tensor` of the checkpoint's weights holding NaN or inf (or a file that is not
+    readable safetensors), or None."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     checkpoint = Path(checkpoint)
-    for sub in WEIGHT_DIRS:
-        for path in sorted((checkpoint / sub).glob("*.safetensors")):
+    for path in _weight_files(checkpoint):
+        rel = path.relative_to(checkpoint)
+        try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     t = f.get_tensor(name)
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        return f"{path.relative_to(checkpoint)}: tensor {name}"
+                        return f"{rel}: tensor {name} holds NaN or inf"
+        except (SafetensorError, OSError) as e:
+            return f"{rel} is not readable safetensors ({e})"
     return None
 
 
@@ -234,7 +247,7 @@ def check_checkpoint(checkpoint: str | Path, *, full: bool = True) -> str | None
     if full:
         bad = nonfinite_weights(checkpoint)
         if bad is not None:
-            return f"{bad} holds NaN or inf"
+            return bad
     return None
 
 
