@@ -74,6 +74,41 @@ def test_lr_1e3_skips_nonfinite_steps_writes_no_nan_checkpoint_and_stops_naming_
     assert schedulers[0]["last_epoch"] == 1
 
 
+def test_a_skipped_step_changes_nothing_and_the_schedule_counts_applied_steps():
+    """The optimizer step alone (rlkit/learner/optim.py): skipped on a device flag, no host sync."""
+    from types import SimpleNamespace
+
+    from rlkit.learner import optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    trainer = SimpleNamespace(
+        lr=0.1, betas=(0.9, 0.999), weight_decay=0.1, warmup_steps=2, lr_schedule="cosine"
+    )
+    opt = optim.adamw(model, trainer)
+    sched = optim.scheduler(opt, trainer, total_steps=10)
+
+    def set_grads(value):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, value)
+
+    set_grads(1.0)
+    optim.step(opt, sched, torch.tensor(False))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    lr = sched.get_last_lr()
+    set_grads(float("nan"))
+    optim.step(opt, sched, torch.tensor(True))
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, moments[k]) for k, v in opt.state[model.weight].items())  # step count too
+    assert all(p.grad is None for p in model.parameters())
+    optim.unschedule(sched, 1)
+    assert sched.last_epoch == 1 and sched.get_last_lr() == lr and opt.param_groups[0]["lr"] == lr[0]
+    set_grads(1.0)
+    optim.step(opt, sched, torch.tensor(False))
+    assert not torch.equal(model.weight, weights["weight"]) and sched.last_epoch == 2
+
+
 def test_a_reward_beyond_the_bound_is_a_reward_error(tiny, tmp_path):
     """1e308 is finite, but a batch's mean and std of it are not: before the bound it made NaN advantages,
     NaN weights and a crash in sampling."""
