@@ -11,6 +11,11 @@ The guards are checked on rank 0 before any model loads:
 - A fresh run never mixes with an old one: `trainer.resume=none` in a directory that holds checkpoints or
   metrics is refused (choose a new `trainer.run_dir`, or `trainer.resume=auto` to continue).
 - A resume continues exactly or not at all: a checkpoint written by another number of processes is refused.
+- A checkpoint can be trusted or is not used: `checksums.json`, written last into the temporary directory
+  before the rename, records the size and sha256 of every other file (the HF export `model/` included).
+  `trainer.resume=auto` takes the newest checkpoint that verifies (every file present, of its size and hash,
+  the trainer state readable, the weights finite) and logs why it skipped any newer one; pruning never
+  deletes a checkpoint that verifies before `keep_last` newer ones verify.
 - Metrics agree with the checkpoint a run continues from: each step's metrics line is written before its
   checkpoint, and on resume `metrics.jsonl` is cut back to the checkpoint's step, so every step is in it
   exactly once (the resumed run redoes, bit for bit, the steps after the checkpoint).
@@ -19,7 +24,9 @@ The guards are checked on rank 0 before any model loads:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +40,8 @@ LOCK_FILE = "rlkit.lock"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
-TRAINER_STATE = "trainer_state.json"  # written last into a checkpoint: its presence marks it complete
+TRAINER_STATE = "trainer_state.json"  # its presence marks a checkpoint complete
+CHECKSUMS = "checksums.json"  # size and sha256 of every other file of a checkpoint, written last
 PENDING_FILE = "rollouts.safetensors"  # async: batches generated and not trained yet (tensors only)
 
 
@@ -138,30 +146,147 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
 # -- checkpoints -------------------------------------------------------------------------------------
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `run_dir/checkpoints` (temp dirs are ignored)."""
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written (no space left, non-finite weights) or cannot be trusted."""
+
+
+def _complete(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in `run_dir/checkpoints`, newest first (temp dirs ignored)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
+        return []
     done = [
         (int(m.group(1)), p)
         for p in root.iterdir()
         if (m := CHECKPOINT_RE.match(p.name)) and (p / TRAINER_STATE).exists()
     ]
-    return max(done)[1] if done else None
+    return sorted(done, reverse=True)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `run_dir/checkpoints` (not verified)."""
+    done = _complete(run_dir)
+    return done[0][1] if done else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """Record the size and sha256 of every file under `directory` in `CHECKSUMS`, after syncing each to disk
+    (a crash after the rename then never leaves a zero-byte file that the manifest calls complete)."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    (directory / CHECKSUMS).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _weight_files(checkpoint: Path) -> list[Path]:
+    """The weights a checkpoint holds as safetensors: the HF exports and accelerate's model states."""
+    files = [
+        p
+        for sub in ("model", "value_model", "adapter")
+        for p in sorted((checkpoint / sub).glob("*.safetensors"))
+    ]
+    return files + sorted((checkpoint / "state").glob("model*.safetensors"))
+
+
+def nonfinite_weights(checkpoint: str | Path) -> str | None:
+    """The first `file: tensor` of the checkpoint's weights holding NaN or inf (or a file that is not
+    readable safetensors), or None."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    checkpoint = Path(checkpoint)
+    for path in _weight_files(checkpoint):
+        rel = path.relative_to(checkpoint)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    t = f.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        return f"{rel}: tensor {name} holds NaN or inf"
+        except (SafetensorError, OSError) as e:
+            return f"{rel} is not readable safetensors ({e})"
+    return None
+
+
+def check_checkpoint(checkpoint: str | Path, *, full: bool = True) -> str | None:
+    """What makes `checkpoint` unusable, or None. Every file `CHECKSUMS` lists must be there with its size
+    and (`full`) its sha256, the trainer state must parse and (`full`) the weights must be finite. A
+    checkpoint without `CHECKSUMS` (written before rlkit recorded them) is checked for what it can be."""
+    checkpoint = Path(checkpoint)
+    manifest = checkpoint / CHECKSUMS
+    if manifest.exists():
+        try:
+            files = json.loads(manifest.read_text())["files"]
+        except (ValueError, KeyError, TypeError):
+            return f"{CHECKSUMS} is unreadable (truncated or empty)"
+        for rel, want in files.items():
+            path = checkpoint / rel
+            if not path.is_file():
+                return f"{rel} is missing"
+            size = path.stat().st_size
+            if size != want["size"]:
+                return f"{rel} has {size} bytes, {CHECKSUMS} recorded {want['size']} (truncated or zero-byte)"
+            if full and _sha256(path) != want["sha256"]:
+                return f"{rel} does not match its sha256 in {CHECKSUMS} (corrupted)"
+    elif not (checkpoint / TRAINER_STATE).exists():
+        return f"no {TRAINER_STATE} (incomplete)"
+    try:
+        json.loads((checkpoint / TRAINER_STATE).read_text())["step"]
+    except (ValueError, KeyError, TypeError):
+        return f"{TRAINER_STATE} is unreadable (truncated or empty)"
+    if full:
+        bad = nonfinite_weights(checkpoint)
+        if bad is not None:
+            return bad
+    return None
+
+
+def newest_good_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint that verifies; each newer one that does not is named in the log.
+    None when there is none at all; an error when there are checkpoints and none verifies."""
+    done = _complete(run_dir)
+    problems = []
+    for _, path in done:
+        problem = check_checkpoint(path)
+        if problem is None:
+            if problems:
+                log.warning("resuming from the previous complete checkpoint %s", path)
+            return path
+        problems.append(f"{path}: {problem}")
+        log.warning("checkpoint %s is not usable: %s; falling back to the previous checkpoint", path, problem)
+    if problems:
+        raise CheckpointError(
+            "no usable checkpoint to resume from: " + "; ".join(problems) + ". Resume from another directory "
+            "(trainer.resume=<checkpoint>) or start a new run (another trainer.run_dir)."
+        )
+    return None
 
 
 def resume_path(run_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint `trainer.resume` names: none, the latest complete one (auto), or a directory."""
+    """The checkpoint `trainer.resume` names: none, the newest one that verifies (auto), or a directory
+    (refused, naming the bad file, when it does not verify)."""
     if resume == "none":
         return None
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return newest_good_checkpoint(run_dir)
     path = Path(resume)
     if not (path / TRAINER_STATE).exists():
         raise FileNotFoundError(
             f"trainer.resume={resume!r} is not a complete checkpoint (no {TRAINER_STATE})"
         )
+    problem = check_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"trainer.resume={resume!r}: checkpoint {path} is not usable: {problem}")
     return path
 
 
@@ -171,19 +296,52 @@ def checkpoint_dirs(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     return root / f".tmp-step_{step}", root / f"step_{step}"
 
 
+@contextlib.contextmanager
+def writing_checkpoint(tmp: Path, *, main: bool):
+    """Around the writing of a checkpoint into `tmp`: on any failure the main process removes `tmp`, and a
+    full disk becomes a `CheckpointError` that says "no space left" and names the file; the previous
+    checkpoint is untouched (nothing is renamed or pruned before the write succeeds)."""
+    try:
+        yield
+    except BaseException as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise CheckpointError(
+                f"no space left on device writing {e.filename or tmp}: the partial checkpoint {tmp} was removed "
+                f"and the previous checkpoint ({latest_checkpoint(tmp.parent.parent)}) is intact. Free space "
+                "(or lower trainer.keep_last) and resume with trainer.resume=auto."
+            ) from e
+        raise
+
+
 def commit_checkpoint(tmp: Path, final: Path, state: dict) -> None:
-    """Write the trainer state last, then rename the complete checkpoint into place."""
+    """Write the trainer state, then the checksums of every file (last), then rename the checkpoint into place."""
     (tmp / TRAINER_STATE).write_text(json.dumps(state))
+    write_checksums(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    fd = os.open(final.parent, os.O_RDONLY)  # the rename itself reaches the disk
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the `keep` most recent checkpoints (0 keeps all)."""
+    """Delete the checkpoints older than the `keep` newest that verify (0 keeps all). One that does not
+    verify counts for nothing, so the last good checkpoint survives until `keep` newer ones are good;
+    the check here is of sizes, not hashes (the resume checks those)."""
     if keep <= 0:
         return
     root = Path(run_dir) / CHECKPOINTS
-    done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-    for _, path in done[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+    done = sorted(
+        ((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name))), reverse=True
+    )
+    good = 0
+    for _, path in done:
+        if good >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+        elif check_checkpoint(path, full=False) is None:
+            good += 1

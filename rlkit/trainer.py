@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -126,7 +127,7 @@ class Trainer:
         self.run_dir = Path(broadcast_object(str(Path(t.run_dir).resolve()), self.world))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._run_lock = self._guard_run_dir()
+        self._run_lock, resume_from = self._guard_run_dir()
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.group_size = cfg.rollout.group_size
@@ -149,7 +150,6 @@ class Trainer:
         self.step = 0
         self.wandb_id = None
         self._stop_signal: int | None = None
-        resume_from = rundir.resume_path(self.run_dir, t.resume)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
 
@@ -164,9 +164,10 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
 
     def _guard_run_dir(self):
-        """Lock run_dir for this run and check what it holds, on rank 0 before any model loads (see
-        rlkit.rundir); every rank raises rank 0's error. Returns the lock (rank 0) or None."""
-        lock = error = None
+        """Lock run_dir for this run, check what it holds and choose the checkpoint to resume from (the
+        newest that verifies: rlkit.rundir), on rank 0 before any model loads; every rank raises rank 0's
+        error. Returns (the lock on rank 0 else None, the checkpoint or None)."""
+        lock = error = resume_from = None
         if self.is_main:
             try:
                 lock = rundir.RunDirLock(self.run_dir)
@@ -180,10 +181,10 @@ class Trainer:
                 if lock is not None:
                     lock.release()
                 error = e
-        error = broadcast_object(error, self.world)
+        error, resume_from = broadcast_object((error, resume_from), self.world)
         if error is not None:
             raise error
-        return lock
+        return lock, resume_from
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -351,11 +352,18 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete."""
+        """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete (with
+        `checksums.json`, rlkit.rundir). Never from non-finite weights; on any failure (a full disk: "no
+        space left") the temporary directory is removed and the previous checkpoint is left as it was."""
         tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
-        if self.is_main:
-            import shutil
+        self.learner.check_finite(f"step {self.step}: checkpoint {final}", self.run_dir)
+        with rundir.writing_checkpoint(tmp, main=self.is_main):
+            self._write_checkpoint(tmp, final)
+        log.info("checkpoint written: %s", final)
+        return final
 
+    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
+        if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
@@ -367,8 +375,6 @@ class Trainer:
             rundir.commit_checkpoint(tmp, final, state)
             rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
         self.accelerator.wait_for_everyone()
-        log.info("checkpoint written: %s", final)
-        return final
 
     def _load_checkpoint(self, path: Path) -> None:
         state = rundir.checkpoint_state(path)
@@ -452,6 +458,8 @@ class Trainer:
             # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
             if self.logger is not None:
                 self.logger.log(metrics, step=self.step)
+            # Before the checkpoint: the last one written stays the last good one.
+            self.learner.check_nonfinite(self.step, metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                 bar.update(1)

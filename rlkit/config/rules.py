@@ -123,6 +123,7 @@ RANGES: dict[str, Range] = {
     "trainer.eval_every": _ge(0),
     "trainer.save_every": _ge(0),
     "trainer.keep_last": _ge(0),
+    "trainer.max_nonfinite_steps": _ge(1),
     "trainer.num_processes": _ge(1),
     "trainer.collective_timeout_s": _gt(0),
     "trainer.peak_tflops": _gt(0),

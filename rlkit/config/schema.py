@@ -300,8 +300,10 @@ class TrainerConfig:
     """Checkpoint every this many steps (0 = only at the end)."""
     keep_last: int = 2
     """Keep only this many most recent checkpoints (0 = keep all)."""
+    max_nonfinite_steps: int = 3
+    """Stop the run with an error after this many optimizer steps in a row skipped for a non-finite loss or gradient norm."""
     resume: str = "auto"
-    """auto (latest complete checkpoint in run_dir, if any) | none | a checkpoint directory."""
+    """auto (the newest checkpoint in run_dir that verifies, if any) | none | a checkpoint directory."""
     run_dir: str = "runs/${logger.name}"
     """Where metrics.jsonl, checkpoints and the W&B run go."""
     num_processes: Optional[int] = None

@@ -9,7 +9,8 @@ One `update(batch)` call, top to bottom:
    the micro-batch counts (MAX) and the loss denominators (SUM) once (batching.py);
 4. for each epoch and mini-batch: run every micro-batch (padding ones included, so each rank runs the
    same number), assemble its loss with the GLOBAL denominators (loss.py), backward, then clip, step
-   and schedule (optim.py).
+   and schedule (optim.py); a step whose loss or gradient norm is not finite is skipped on the device
+   and counted (`train/nonfinite_steps`), and the count reaches the host with the metrics.
 
 Why global denominators: `token-mean` over a mini-batch split into micro-batches on several ranks is
 sum(loss * mask) / (tokens in the whole mini-batch on all ranks). Each micro-batch divides its own sum by
@@ -53,7 +54,10 @@ from rlkit.learner.loss import micro_loss
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import load_causal_lm, resolve_model
+from rlkit.rundir import CheckpointError, latest_checkpoint
 from rlkit.weights import Export, iter_full_parameters, module_manifest
+
+NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
 
 
 @dataclass
@@ -129,6 +133,7 @@ class Learner:
             self.value_model, self.value_optimizer = acc.prepare(critic, optim.adamw(critic, t))
             self.value_scheduler = optim.scheduler(self.value_optimizer, t, self.total_steps)
         self.global_step = 0
+        self.nonfinite_run = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
         self.manifest = self._manifest()
         self.shape = ModelShape.of(acc.unwrap_model(self.model))  # for the FLOP count
 
@@ -245,8 +250,9 @@ class Learner:
         counts = [0.0, 0.0, 0.0]  # real tokens, tokens the model ran on, model FLOPs (host numbers: no sync)
         for _ in range(self.algo.ppo_epochs):
             for mb in plans:
-                counts = [a + b for a, b in zip(counts, self._accumulate(mb, merger))]
-                step_metrics.append(self._optimizer_step())
+                finite, done = self._accumulate(mb, merger)
+                counts = [a + b for a, b in zip(counts, done)]
+                step_metrics.append(self._optimizer_step(finite))
 
         result = merger.compute()
         # With no loss token anywhere (every group zero-std), per-token statistics such as the
@@ -256,10 +262,13 @@ class Learner:
         for k, v in result.items():
             if not k.startswith("loss/"):
                 result[k] = torch.where(tokens > 0, v, torch.full_like(v, float("nan")))
+        skipped = torch.stack([s.pop("skipped") for s in step_metrics])
         for k in step_metrics[0]:
             result[k] = torch.stack([s[k] for s in step_metrics]).mean()
+        result[NONFINITE_METRIC] = skipped.sum()
         real, run, flops = all_reduce(torch.tensor(counts, dtype=torch.float64), self.world_size).tolist()
         result = {k: v.detach().float().cpu() for k, v in result.items()}
+        self._count_skipped(skipped.cpu().tolist())  # already on the host with the metrics: no extra sync
         seconds = time.perf_counter() - start
         # Counted, not assumed: the rows that went through forward and backward (zero-std rows are skipped).
         result["learner/tokens"] = torch.tensor(real)
@@ -268,6 +277,17 @@ class Learner:
         result["learner/seconds"] = torch.tensor(seconds)
         result["learner/tokens_per_s"] = torch.tensor(real / seconds)
         return result
+
+    def _count_skipped(self, skipped: list[bool]) -> None:
+        """Host-side bookkeeping of the update's skipped steps: the schedule counts applied steps only, and
+        `nonfinite_run` the skipped optimizer steps in a row (the trainer stops the run past a limit)."""
+        n = int(sum(skipped))
+        for opt_scheduler in (self.scheduler, self.value_scheduler):
+            if opt_scheduler is not None:
+                optim.unschedule(opt_scheduler, n)
+        self.global_step -= n
+        for s in skipped:
+            self.nonfinite_run = self.nonfinite_run + 1 if s else 0
 
     def accumulate_gradients(self, batch: TrainBatch) -> dict[str, Tensor]:
         """Accumulate into `.grad` the gradient of the loss over the whole global batch, no optimizer step.
@@ -286,14 +306,17 @@ class Learner:
         if self.value_optimizer is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
 
-    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> tuple[float, float, float]:
-        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only);
-        returns this rank's (real tokens, tokens run, model FLOPs of the real tokens)."""
+    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> tuple[Tensor, tuple[float, float, float]]:
+        """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only).
+        Returns whether every micro-batch's loss was finite (a 0-dim bool tensor: no host sync) and this
+        rank's (real tokens, tokens run, model FLOPs of the real tokens), host numbers."""
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
         real = run = flops = 0.0
         packed = self.cfg.trainer.pack_sequences
         for i, m in enumerate(mb.micros):
             with self._no_sync(last=i == len(mb.micros) - 1):
                 loss, metrics, weight = self._micro_loss(m, mb)
+                finite = finite & torch.isfinite(loss.detach())
                 # DDP / FSDP average gradients over ranks; the loss is already this rank's share of the sum.
                 self.accelerator.backward(loss * self.world_size)
             merger.add(metrics, weight)
@@ -301,7 +324,7 @@ class Learner:
             real, run = real + r, run + n
             if not m.padding:
                 flops += sum(sequence_flops(self.shape, p + t, training=True) for p, t in m.lens)
-        return real, run, flops
+        return finite, (real, run, flops)
 
     def _no_sync(self, last: bool):
         """Skip the gradient all-reduce on all but the last micro-batch of a mini-batch."""
@@ -325,21 +348,24 @@ class Learner:
             self.algo, self.kl_coef, tok, tok("response_mask").bool(), mb, logp, entropy, values
         )
 
-    def _optimizer_step(self) -> dict[str, Tensor]:
-        """Clip, step, schedule and zero the grads of the policy (and critic); returns grad norms and lr."""
-        out = {}
-        out["grad_norm"], out["lr"] = optim.step(
-            self.accelerator, self.model, self.optimizer, self.scheduler, self.max_grad_norm
-        )
+    def _optimizer_step(self, finite_loss: Tensor) -> dict[str, Tensor]:
+        """Clip, step, schedule and zero the grads of the policy (and critic); returns grad norms, lr and
+        `skipped`. A non-finite loss (on any rank) or gradient norm skips the step of both models, decided
+        on the device: the gradients are dropped and neither the weights nor the optimizer state change."""
+        out = {"grad_norm": optim.clip(self.accelerator, self.model, self.max_grad_norm)}
         if self.value_model is not None:
-            out["value/grad_norm"], _ = optim.step(
-                self.accelerator,
-                self.value_model,
-                self.value_optimizer,
-                self.value_scheduler,
-                self.max_grad_norm,
-            )
+            out["value/grad_norm"] = optim.clip(self.accelerator, self.value_model, self.max_grad_norm)
+        finite = finite_loss.to(self.device)
+        for norm in out.values():
+            finite = finite & torch.isfinite(norm.to(self.device))
+        if self.world_size > 1:  # every rank skips the same steps (a loss is per rank, a norm global)
+            finite = all_reduce(finite.to(torch.int32), self.world_size, op=dist.ReduceOp.MIN).bool()
+        skip = ~finite
+        out["lr"] = optim.step(self.optimizer, self.scheduler, skip)
+        if self.value_model is not None:
+            optim.step(self.value_optimizer, self.value_scheduler, skip)
         self.global_step += 1
+        out["skipped"] = skip
         return {k: v.detach().float().to(self.device) for k, v in out.items()}
 
     # -- weights and checkpoints ---------------------------------------------------------------
@@ -365,6 +391,34 @@ class Learner:
     def export(self) -> Export:
         """The policy's weights as the rollout side receives them (rlkit.weights)."""
         return Export(self.manifest, self.named_weights)
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters (policy and critic) holding NaN or inf, the same list on every rank (one
+        collective; a sharded parameter is checked shard by shard). A host sync: call it outside the step."""
+        named = [
+            (f"{prefix}{n}", p)
+            for prefix, model in (("", self.model), ("value_model.", self.value_model))
+            if model is not None
+            for n, p in self.accelerator.unwrap_model(model).named_parameters()
+        ]
+        local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]
+        bad = torch.stack([~torch.isfinite(t.detach()).all() for t in local]).to(torch.int32)
+        bad = all_reduce(bad, self.world_size, op=dist.ReduceOp.MAX).tolist()
+        return [name for (name, _), b in zip(named, bad) if b]
+
+    def check_finite(self, what: str, run_dir: str | Path) -> None:
+        """Refuse (`CheckpointError`) to write `what` from weights holding NaN or inf."""
+        bad = self.nonfinite_parameters()
+        if bad:
+            raise CheckpointError(
+                f"{what}: refusing to write it, parameters hold NaN or inf ({', '.join(bad[:3])}"
+                f"{', ...' if len(bad) > 3 else ''}); the previous checkpoint ({latest_checkpoint(run_dir)}) "
+                "is kept. Resume from it with a lower trainer.lr."
+            )
+
+    def check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+        """Stop the run (`NonFiniteError`) after `trainer.max_nonfinite_steps` skipped steps in a row."""
+        optim.check_nonfinite_run(self.nonfinite_run, step, metrics, self.cfg.trainer)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """`dir/model` (HF format), `dir/value_model` (critic), `dir/state`; every rank must call it."""

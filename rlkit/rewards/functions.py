@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 _ANSWER_MARK = "####"
 
+# The largest reward magnitude accepted. A batch's statistics (sums, squares for the std, the advantages)
+# must stay finite in float32 (max ~3.4e38): 1e6 squared times a batch of a million samples still does.
+# A reward beyond it scores 0 and counts in `reward/errors`, like a non-finite one.
+MAX_ABS_REWARD = 1e6
+
 
 def extract_gsm8k_answer(answer: str) -> str:
     """The final answer of a GSM8K reference solution (text after `####`, thousands commas removed)."""
@@ -159,6 +164,8 @@ def _number(value) -> tuple[float, str | None]:
         return 0.0, f"non-numeric reward {value!r} ({e})"
     if not math.isfinite(value):
         return 0.0, f"non-finite reward {value}"
+    if abs(value) > MAX_ABS_REWARD:
+        return 0.0, f"reward {value:g} out of range: |reward| must be <= {MAX_ABS_REWARD:g} (MAX_ABS_REWARD)"
     return value, None
 
 

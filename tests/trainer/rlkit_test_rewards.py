@@ -110,3 +110,8 @@ def length_target(prompt, response, answer):
 def lenient(prompt, response, answer):
     """Continuous values (any spread counts for filter_metric=reward); correct from 0.5 up."""
     return len(response) % 7 / 7.0
+
+
+def huge(prompt, response, answer):
+    """Rewards whose batch statistics overflow (the mean and std of 1e308s are inf)."""
+    return 1e308 * (len(response) % 2)

@@ -252,7 +252,7 @@ OUT_OF_RANGE = {
     "trainer.peak_tflops": 0.0,
     "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
-    "trainer.max_staleness": -1, "trainer.rollout_gpus": 0,
+    "trainer.max_staleness": -1, "trainer.rollout_gpus": 0, "trainer.max_nonfinite_steps": 0,
 }  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import torch
 from test_e2e import overrides, read_jsonl, train
 
 from rlkit.config.schema import REPO_ROOT
-from rlkit.rundir import latest_checkpoint
+from rlkit.rundir import latest_checkpoint, write_checksums
 
 HERE = Path(__file__).resolve().parent
 tiny = test_e2e.tiny  # the tiny model fixture
@@ -114,6 +114,7 @@ def test_a_crafted_pickle_in_a_checkpoint_never_runs(tiny, one_step_run, tmp_pat
     ckpt = latest_checkpoint(run_dir)
     marker = tmp_path / "pwned"
     torch.save({"state": _Payload(marker)}, ckpt / "state" / victim)  # as accelerate writes its files
+    write_checksums(ckpt)  # checksums.json is not a signature: whoever can plant a file can rewrite it
     cfg = load_config(compose(overrides(tiny, run_dir, "trainer.steps=2", "trainer.resume=auto")))
     with pytest.raises(RuntimeError, match=victim if victim.startswith("custom") else "weights_only") as e:
         Trainer(cfg).close()
@@ -180,6 +181,7 @@ def test_resume_with_another_world_size_is_refused_naming_both(tiny, one_step_ru
     assert json.loads(state.read_text())["world_size"] == 1
     # As a 2-process run would have written it (every other file is the same kind of file).
     state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    write_checksums(state.parent)
     with pytest.raises(RuntimeError, match="written by 2 processes, this run has 1"):
         train(tiny, run_dir, "trainer.steps=2")
 
