@@ -19,7 +19,7 @@ import torch
 from rlkit.config.schema import ConfigError
 from rlkit.lookup import Registry
 from rlkit.rollout.engines.base import RolloutEngine, Sampling
-from rlkit.rollout.engines.vllm import VLLMEngine, vllm_can_run
+from rlkit.rollout.engines.vllm import VLLMEngine, check_engine_kwargs, vllm_can_run
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def make_engine(
 
 
 def check_config(cfg) -> None:
-    """`rollout.engine` and, for the HF engine, `rollout.engine_kwargs` (raises ConfigError)."""
+    """`rollout.engine` and `rollout.engine_kwargs`: keywords of the engine it resolves to, each value of
+    the keyword's type (vLLM's checked against its engine arguments without building one; raises ConfigError)."""
     import inspect
 
     r = cfg.rollout
@@ -119,8 +120,12 @@ def check_config(cfg) -> None:
     if not r.engine_kwargs:
         return
     engine = resolve_engine(r.engine, cfg.model.path)
-    if engine != "hf":
-        return  # vLLM passes unknown keywords on to vllm.LLM
+    if engine == "vllm":
+        try:
+            check_engine_kwargs(dict(r.engine_kwargs))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return
     params = inspect.signature(ENGINES["hf"]().__init__).parameters
     valid = sorted(
         k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "device", "seed")
