@@ -55,6 +55,8 @@ class Episode:
     done: bool = False
     failed: str | None = None
     """"error" or "timeout" when an environment call failed (the episode's reward is then 0)."""
+    why: str = ""
+    """The failure's reason (logged once per batch and reason)."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +136,23 @@ def _single_turn(rb: RolloutBatch, rooms: list[int]) -> EpisodeBatch | None:
     )
 
 
-def _fail(e: Episode, status: str, why: str, env_name: str) -> None:
-    """End episode `e` with reward 0 (counted in env/errors, and env/timeouts for "timeout"); logged once."""
-    e.failed, e.done, e.reward = status, True, 0.0
-    log.warning("environment %s, episode %d: %s (%s): it scores 0", env_name, e.position, why, status)
+def _fail(e: Episode, status: str, why: str) -> None:
+    """End episode `e` with reward 0 (counted in env/errors, and env/timeouts for "timeout")."""
+    e.failed, e.done, e.reward, e.why = status, True, 0.0, why
+
+
+def _log_failures(episodes: list[Episode], env_name: str) -> None:
+    """One warning per distinct reason of the batch's failed episodes, with how many and which."""
+    by_reason: dict[tuple[str, str], list[int]] = {}
+    for e in episodes:
+        if e.failed is not None:
+            by_reason.setdefault((e.failed, e.why), []).append(e.position)
+    for (status, why), positions in by_reason.items():
+        shown = ", ".join(map(str, positions[:8])) + (", ..." if len(positions) > 8 else "")
+        log.warning(
+            "environment %s: %d episode(s) (%s) end with reward 0, %s: %s",
+            env_name, len(positions), shown, status, why,
+        )  # fmt: skip
 
 
 def _render(tokenizer, messages: list[dict]) -> list[int]:
@@ -145,7 +160,7 @@ def _render(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def _start(runner, prompts, messages, rows, n, tokenizer, *, env_name, context, first_position):
+def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_position):
     """n episodes per prompt, each with its own environment (built and reset by `runner` from the prompt's
     dataset row). Returns the episodes and the environment's stop strings. An episode whose environment
     cannot be built or reset, or whose first messages leave no room in the context, has failed already
@@ -181,7 +196,7 @@ def _start(runner, prompts, messages, rows, n, tokenizer, *, env_name, context, 
             e = Episode(list(ids), list(first), k, (first_position + i) * n + j)
             if status != "ok" or problem:
                 e.messages = list(msgs)
-                _fail(e, status if status != "ok" else "error", out if status != "ok" else problem, env_name)
+                _fail(e, status if status != "ok" else "error", out if status != "ok" else problem)
             episodes.append(e)
     return episodes, stop
 
@@ -218,7 +233,7 @@ def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[E
     return stepping
 
 
-def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids, env_name) -> None:
+def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> None:
     """Apply one successful environment step: its reward, and its observation appended as context tokens.
     An observation the chat template cannot render fails the episode; one longer than the room left ends it
     with finish reason `length` (the token budget ran out: not an environment failure)."""
@@ -233,12 +248,7 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids, env_n
     try:
         extra = observation_ids(tokenizer, history, obs or [], eos)
     except Exception as ex:
-        _fail(
-            e,
-            "error",
-            f"the chat template cannot render the observation ({type(ex).__name__}: {ex})",
-            env_name,
-        )
+        _fail(e, "error", f"the chat template cannot render the observation ({type(ex).__name__}: {ex})")
         return
     if len(extra) >= room(e):  # no room for the observation and one more model token
         e.done, e.finish = True, "length"
@@ -314,7 +324,7 @@ def run_episodes(
     try:
         episodes, env_stop = _start(
             runner, prompts, messages, rows, n, tokenizer,
-            env_name=env_name, context=context, first_position=first_position,
+            context=context, first_position=first_position,
         )  # fmt: skip
         stop = tuple(sampling.stop) + tuple(s for s in env_stop if s not in sampling.stop)
         limits = dict(
@@ -323,14 +333,15 @@ def run_episodes(
         sampling = dataclasses.replace(sampling, stop=stop)
         single = type(runner) is LocalEnvs
         single_turn, gen_seconds = _turns(
-            generate, runner, episodes, n, sampling, tokenizer, env_name=env_name, single=single, **limits
+            generate, runner, episodes, n, sampling, tokenizer, single=single, **limits
         )
+        _log_failures(episodes, env_name)
         return single_turn or _finish(episodes, n, pad_id, gen_seconds, runner.tool_calls)
     finally:
         runner.close()
 
 
-def _turns(generate, runner, episodes, n, sampling, tokenizer, *, env_name, single, max_turns,
+def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_turns,
            max_total_tokens, context, eos_ids):  # fmt: skip
     """The model turns and environment steps of `episodes` until all are done. Returns (the engine's batch
     as it is, for single-turn episodes that need no cut, else None; the generation seconds)."""
@@ -368,8 +379,8 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, env_name, sing
             status, out = results[e.env]
             if status == "ok":
                 _observe(e, out, max_turns=max_turns, room=room, tokenizer=tokenizer,
-                         eos_ids=eos_ids, env_name=env_name)  # fmt: skip
+                         eos_ids=eos_ids)  # fmt: skip
             else:
-                _fail(e, status, out, env_name)
+                _fail(e, status, out)
         live = [e for e in episodes if not e.done]
     return None, gen_seconds

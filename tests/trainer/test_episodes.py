@@ -249,9 +249,9 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize("how", MALFORMED)
-def test_a_misbehaving_environment_fails_only_its_episode(tok, how):
-    """Each failure ends the bad row's episodes with reward 0, counted in env/errors (never a raise);
-    the good row's episodes run on with their per-step rewards."""
+def test_a_misbehaving_environment_fails_only_its_episode(tok, how, caplog):
+    """Each failure ends the bad row's episodes with reward 0, counted in env/errors (never a raise), its
+    reason logged once; the good row's episodes run on with their per-step rewards."""
     script = [encode(tok, TURN)] * 3
     rows = [{"question": "q", "how": how}, {"question": "q", "how": "ok"}]
     _, _, engine, out = _run(tok, script, env="rlkit_test_envs:Misbehaving", rows=rows, max_turns=3,
@@ -260,6 +260,8 @@ def test_a_misbehaving_environment_fails_only_its_episode(tok, how):
     assert out.errors == 2 and out.timeouts == 0
     assert out.env_rewards.tolist() == [0.0, 0.0, 0.75, 0.75]
     assert out.stats["turns"].tolist()[2:] == [3.0, 3.0]
+    (warning,) = [r.getMessage() for r in caplog.records if "end with reward 0" in r.getMessage()]
+    assert "2 episode(s) (0, 1)" in warning
     if how in ("reset_none", "reset_raise", "huge_first"):  # no model turn; the prompt stays the dataset's
         assert out.stats["turns"].tolist()[:2] == [0.0, 0.0] and len(engine.calls[0][0]) == 1
         assert out.rollout.prompt_ids.shape[1] < 100
