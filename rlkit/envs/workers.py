@@ -9,8 +9,8 @@ SIGKILLed and reaped: no thread or process outlives it, and a call that spins on
 trainer's GIL. Any other environment that lived in that worker is lost with it, so its episode ends too
 (counted as an error, with the reason). Workers fork from multiprocessing's fork server (never from the
 trainer, which holds torch threads and maybe CUDA), ignore SIGINT / SIGTERM (the trainer's to handle),
-die with the fork server, which dies with the trainer (PR_SET_PDEATHSIG), and are closed at the end of
-the batch.
+die with the fork server (PR_SET_PDEATHSIG), which ignores SIGTERM too and exits with the trainer, and are
+closed at the end of the batch.
 
 Every result is checked in the worker (`check_messages`, `check_step`): a malformed one is an error of
 that call, never an exception in the trainer. `LocalEnvs` runs the same calls in this process, without
@@ -117,12 +117,14 @@ MAX_WORKERS = 64
 
 def context():
     """Workers fork from multiprocessing's fork server (started once, clean: no torch, no CUDA, no trainer
-    threads; it preloads this module), so a batch's workers start in milliseconds; spawn where there is no
-    fork server."""
+    threads; it preloads this module and ignores SIGTERM), so a batch's workers start in milliseconds; spawn
+    where there is no fork server."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process.
+    os.environ["RLKIT_ENV_FORKSERVER_PARENT"] = str(os.getpid())
+    ctx.set_forkserver_preload(["rlkit.envs.forkserver"])
     return ctx
 
 

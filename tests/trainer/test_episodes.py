@@ -240,6 +240,33 @@ def _descendants() -> set[int]:
     return out
 
 
+def test_sigterm_to_the_process_group_spares_the_environment_workers():
+    """SIGTERM to the whole process group is the trainer's to handle: the fork server and the workers ignore
+    it, so the step being finished keeps its environments (a dead fork server would take them along)."""
+    import signal
+
+    from rlkit.envs.workers import EnvWorkers
+
+    workers = EnvWorkers("rlkit_test_envs:Misbehaving", {}, 2, timeout_s=5.0)
+    try:
+        assert all(v[0] == "ok" for v in workers.call("make", {0: (), 1: ()}).values())
+        server = [
+            p
+            for p in _descendants()
+            if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+        ]
+        assert len(server) == 1
+        for pid in [*server, *(w.proc.pid for w in workers._workers)]:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        results = workers.call("step", {0: ("a",), 1: ("b",)})
+    finally:
+        workers.close()
+    assert all(v == ("ok", ([{"role": "user", "content": "Go on."}], 0.25, False)) for v in results.values())
+    assert Path(f"/proc/{server[0]}").exists()
+
+
 TURN = "Let me think about it step by step"
 
 MALFORMED = [
