@@ -165,6 +165,12 @@ BAD = [
         ["rollout.engine_kwargs.kv_cache_dtype='fp9' must be one of ['auto',"],
         {"rollout": {"engine": "vllm"}},
     ),
+    (
+        "rollout.engine_kwargs",
+        {"kv_cache_gib": 0},
+        ["rollout.engine_kwargs.kv_cache_gib=0 must be > 0"],
+        {"rollout": {"engine": "vllm"}},
+    ),
     ("trainer.max_staleness", 1000000, ["trainer.max_staleness=1000000 exceeds trainer.steps="]),
     ("env.kwargs", {"bogus": 1}, ["env.kwargs={'bogus': 1}"]),
     ("reward.route_by", [1], ["reward.route_by"]),

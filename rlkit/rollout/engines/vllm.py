@@ -440,6 +440,16 @@ SET_BY_RLKIT = (
 )  # fmt: skip
 
 
+# The valid values of VLLMEngine's own numeric keywords (checked again when the engine is built).
+OWN_RANGES = {
+    "kv_cache_gib": (lambda v: v > 0, "> 0 (GiB of KV cache)"),
+    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "sleep_level": (lambda v: v in (1, 2), "1 or 2"),
+    "max_num_batched_tokens": (lambda v: v >= 1, ">= 1"),
+    "max_model_len": (lambda v: v >= 1, ">= 1"),
+}
+
+
 def own_keywords() -> dict[str, object]:
     """VLLMEngine's own keywords (e.g. kv_cache_gib) and their annotations."""
     hints = typing.get_type_hints(VLLMEngine.__init__)
@@ -491,3 +501,6 @@ def check_engine_kwargs(kwargs: dict) -> None:
             )
         if not fits_type(v, valid[k]):
             raise ValueError(f"rollout.engine_kwargs.{k}={v!r} must be {type_name(valid[k])}")
+        ok, bound = OWN_RANGES.get(k, (None, ""))
+        if ok is not None and v is not None and not ok(v):
+            raise ValueError(f"rollout.engine_kwargs.{k}={v!r} must be {bound}")
