@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import gc
-import inspect
 import logging
 import os
 import time
@@ -36,7 +34,6 @@ from torch import Tensor
 
 from rlkit.batch import RolloutBatch
 from rlkit.collectives import free_port
-from rlkit.config.rules import fits_type, type_name
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
 from rlkit.weights import PushGuard, check_manifest, clean_param_name, module_manifest, tied_aliases
@@ -434,73 +431,13 @@ __all__ = [
 ]
 
 
-# What VLLMEngine passes to vllm.LLM itself (from model.*, trainer.seed): rollout.engine_kwargs cannot set it.
-SET_BY_RLKIT = (
-    "model", "tokenizer", "tensor_parallel_size", "distributed_executor_backend", "dtype", "seed", "logprobs_mode",
-)  # fmt: skip
-
-
-# The valid values of VLLMEngine's own numeric keywords (checked again when the engine is built).
-OWN_RANGES = {
-    "kv_cache_gib": (lambda v: v > 0, "> 0 (GiB of KV cache)"),
-    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "sleep_level": (lambda v: v in (1, 2), "1 or 2"),
-    "max_num_batched_tokens": (lambda v: v >= 1, ">= 1"),
-    "max_model_len": (lambda v: v >= 1, ">= 1"),
-}
-
-
-def own_keywords() -> dict[str, object]:
-    """VLLMEngine's own keywords (e.g. kv_cache_gib) and their annotations."""
-    hints = typing.get_type_hints(VLLMEngine.__init__)
-    params = inspect.signature(VLLMEngine.__init__).parameters
-    return {
-        k: hints.get(k, typing.Any)
-        for k, p in params.items()
-        if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "seed")
-    }
-
-
-def engine_keywords() -> dict[str, object]:
-    """Every keyword rollout.engine_kwargs may give the vllm engine, and its annotation: VLLMEngine's own,
-    then vLLM's engine arguments (the `vllm.engine.arg_utils.EngineArgs` dataclass, which `vllm.LLM`
-    builds from its keywords). Imports that module only: no engine is built."""
+def engine_arg_types() -> dict[str, object]:
+    """vLLM's engine arguments and their annotations: the fields of `vllm.engine.arg_utils.EngineArgs`, which
+    `vllm.LLM` builds from its keywords. Imports that module only: no engine is built."""
     from vllm.engine.arg_utils import EngineArgs
 
     try:
         hints = typing.get_type_hints(EngineArgs)
     except Exception:  # a forward reference vLLM does not resolve: the raw annotations (checked leniently)
         hints = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
-    out = {f.name: hints.get(f.name, typing.Any) for f in dataclasses.fields(EngineArgs)}
-    out = {k: v for k, v in out.items() if k not in SET_BY_RLKIT}
-    return out | own_keywords()
-
-
-def check_engine_kwargs(kwargs: dict) -> None:
-    """rollout.engine_kwargs for the vllm engine: each key is a keyword of it and each value fits its type
-    (raises ValueError naming the key, the value and the valid keywords or type)."""
-    try:
-        valid = engine_keywords()
-    except ImportError as e:
-        log.warning("rollout.engine_kwargs not checked: vllm.engine.arg_utils does not import (%s)", e)
-        return
-    own = sorted(own_keywords())
-    for k, v in kwargs.items():
-        if k in SET_BY_RLKIT:
-            raise ValueError(
-                f"rollout.engine_kwargs.{k}={v!r}: rlkit sets {k} itself (from model.* and trainer.seed); "
-                f"the keywords it sets: {list(SET_BY_RLKIT)}"
-            )
-        if k not in valid:
-            close = difflib.get_close_matches(k, list(valid), n=3, cutoff=0.6)
-            hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise ValueError(
-                f"rollout.engine_kwargs.{k}={v!r} is not a keyword of the vllm engine: {hint}valid: rlkit's "
-                f"{own}, or one of vLLM's {len(valid) - len(own)} engine arguments "
-                "(the fields of vllm.engine.arg_utils.EngineArgs)"
-            )
-        if not fits_type(v, valid[k]):
-            raise ValueError(f"rollout.engine_kwargs.{k}={v!r} must be {type_name(valid[k])}")
-        ok, bound = OWN_RANGES.get(k, (None, ""))
-        if ok is not None and v is not None and not ok(v):
-            raise ValueError(f"rollout.engine_kwargs.{k}={v!r} must be {bound}")
+    return {f.name: hints.get(f.name, typing.Any) for f in dataclasses.fields(EngineArgs)}
