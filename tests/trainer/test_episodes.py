@@ -240,6 +240,24 @@ def _descendants() -> set[int]:
     return out
 
 
+def test_single_turn_starts_no_process_or_thread(tok, monkeypatch):
+    """The default environment never steps: its episodes (also when a response is cut to its room, which
+    takes the general path) run in this process, with no worker process and no thread."""
+    import rlkit.rollout.episodes as episodes
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("single_turn started a process or a thread")
+
+    monkeypatch.setattr(episodes, "EnvWorkers", refuse, raising=False)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    turn = encode(tok, TURN)
+    _, _, _, out = _run(tok, [turn], env="single_turn")
+    assert out.stats["turns"].tolist() == [1.0, 1.0] and out.errors == 0
+    _, _, _, cut = _run(tok, [turn], env="single_turn", budget=3)  # cut: the general path
+    assert cut.rollout.finish_reasons == ("length", "length") and cut.rollout.response_mask.sum() == 6
+
+
 def test_sigterm_to_the_process_group_spares_the_environment_workers():
     """SIGTERM to the whole process group is the trainer's to handle: the fork server and the workers ignore
     it, so the step being finished keeps its environments (a dead fork server would take them along)."""
