@@ -55,23 +55,35 @@ class EnvReply:
     tool_calls: int = 0
 
 
+def _checked_first_messages(out) -> list[dict]:
+    messages = check_messages(out, "reset's first messages")
+    if not messages:
+        raise ValueError("reset's first messages are empty")
+    return messages
+
+
 def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
     """Run one call on the environments `envs` (id -> object); any failure is the reply's error."""
     try:
         if call.method == "make":
             envs[call.env] = make_env(spec, kwargs)
-            value = tuple(str(s) for s in getattr(envs[call.env], "stop", ()))
-        elif call.method == "reset":
-            value = check_messages(envs[call.env].reset(*call.args), "reset's first messages")
-            if not value:
-                raise ValueError("reset returned no messages")
+            out = getattr(envs[call.env], "stop", ())
         else:
-            value = check_step(envs[call.env].step(*call.args))
+            out = getattr(envs[call.env], call.method)(*call.args)
+    except BaseException as e:  # an environment must never take the run down (SystemExit included)
+        return EnvReply(call.env, False, f"{call.method} raised {type(e).__name__}: {e}"[:500])
+    try:
+        if call.method == "make":
+            value = tuple(str(s) for s in out)
+        elif call.method == "reset":
+            value = _checked_first_messages(out)
+        else:
+            value = check_step(out)
         reply = EnvReply(call.env, True, value, int(getattr(envs[call.env], "tool_calls", 0)))
         pickle.dumps(reply)  # an unpicklable value fails this call here, not the pipe
         return reply
-    except BaseException as e:  # an environment must never take the run down (SystemExit included)
-        return EnvReply(call.env, False, f"{call.method} raised {type(e).__name__}: {e}"[:500])
+    except BaseException as e:
+        return EnvReply(call.env, False, f"{call.method} returned a bad result: {e}"[:500])
 
 
 def _worker_main(conn, spec: str, kwargs: dict) -> None:
@@ -167,11 +179,10 @@ class EnvWorkers:
         if w.busy is not None and w.busy.env not in results:
             results[w.busy.env] = ("error", why)
         culprit = w.busy.env if w.busy is not None else None
+        shared = why if culprit is None else f"lost with its worker ({why} in environment {culprit})"
         for env, home in self._home.items():
             if home is w and env not in self.lost:
-                self.lost[env] = (
-                    why if env == culprit else f"lost with its worker ({why} in environment {culprit})"
-                )
+                self.lost[env] = why if env == culprit else shared
         for call in w.queue:
             results[call.env] = ("error", self.lost[call.env])
         w.busy, w.queue = None, deque()

@@ -287,10 +287,18 @@ def test_sigterm_to_the_process_group_spares_the_environment_workers():
 
 TURN = "Let me think about it step by step"
 
-MALFORMED = [
-    "raise", "content_none", "content_int", "element_not_dict", "not_a_list", "reset_none", "reset_raise",
-    "huge_first", "exit",
-]  # fmt: skip
+# Each failure and the reason its warning gives.
+MALFORMED = {
+    "raise": "step raised RuntimeError: step boom",
+    "content_none": "step returned a bad result: observation[0]['content'] must be a string, got NoneType",
+    "content_int": "observation[0]['content'] must be a string, got int",
+    "element_not_dict": "observation[0] must be a dict with role and content, got str",
+    "not_a_list": "observation must be a list of messages, got str",
+    "reset_none": "reset returned a bad result: reset's first messages must be a list of messages, got NoneType",
+    "reset_raise": "reset raised RuntimeError: reset boom",
+    "huge_first": "tokens, the model's context 1024",
+    "exit": "its worker died (exit code 3)",
+}
 
 
 @pytest.mark.parametrize("how", MALFORMED)
@@ -306,7 +314,7 @@ def test_a_misbehaving_environment_fails_only_its_episode(tok, how, caplog):
     assert out.env_rewards.tolist() == [0.0, 0.0, 0.75, 0.75]
     assert out.stats["turns"].tolist()[2:] == [3.0, 3.0]
     (warning,) = [r.getMessage() for r in caplog.records if "end with reward 0" in r.getMessage()]
-    assert "2 episode(s) (0, 1)" in warning
+    assert "2 episode(s) (0, 1)" in warning and MALFORMED[how] in warning
     if how in ("reset_none", "reset_raise", "huge_first"):  # no model turn; the prompt stays the dataset's
         assert out.stats["turns"].tolist()[:2] == [0.0, 0.0] and len(engine.calls[0][0]) == 1
         assert out.rollout.prompt_ids.shape[1] < 100
