@@ -49,6 +49,11 @@ def make_env(spec: str, kwargs: dict | None = None):
 
 def check_env_config(env, rollout) -> None:
     """Start-up checks of the `env.*` keys (raises ValueError naming the key, value and valid range)."""
+    if env.name.split(":")[0].split(".")[0] == "__main__":
+        raise ValueError(
+            f"env.name={env.name!r}: environments are built in worker processes, which import them by path; "
+            "move the class to a module (module:Class)"
+        )
     resolve_env(env.name)
     if env.max_turns < 1:
         raise ValueError(f"env.max_turns={env.max_turns!r} must be >= 1")

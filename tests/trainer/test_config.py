@@ -128,6 +128,7 @@ def test_rollout_is_without_logprobs_turns_them_on(caplog):
 BAD = [
     ("env.name", "nope", ["env.name='nope'"]),
     ("env.name", "os:getcwd", ["env.name='os:getcwd' is posix.getcwd, not an environment class"]),
+    ("env.name", "__main__:Guess", ["env.name='__main__:Guess'", "move the class to a module"]),
     (
         "env.kwargs",
         {"role": "robot"},
