@@ -235,8 +235,9 @@ def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[E
 
 def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> None:
     """Apply one successful environment step: its reward, and its observation appended as context tokens.
-    An observation the chat template cannot render fails the episode; one longer than the room left ends it
-    with finish reason `length` (the token budget ran out: not an environment failure)."""
+    An observation the chat template cannot render, or longer than the episode's whole token budget (it
+    could never fit, however short the model's turns), fails the episode; one that only overflows the room
+    left ends it with finish reason `length` (the budget ran out: not the environment's fault)."""
     obs, reward, done = out
     e.reward += reward
     history = list(e.messages)
@@ -249,6 +250,14 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> No
         extra = observation_ids(tokenizer, history, obs or [], eos)
     except Exception as ex:
         _fail(e, "error", f"the chat template cannot render the observation ({type(ex).__name__}: {ex})")
+        return
+    budget = room(e) + len(e.ids)  # env.max_total_tokens, or less when the context is shorter
+    if len(extra) >= budget:
+        _fail(
+            e,
+            "error",
+            f"an observation of {len(extra)} tokens is longer than the episode's budget of {budget}",
+        )
         return
     if len(extra) >= room(e):  # no room for the observation and one more model token
         e.done, e.finish = True, "length"
