@@ -39,7 +39,7 @@ from rlkit.algos import correction, kl
 from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
-from rlkit.config.schema import ConfigError, RLConfig, to_dict
+from rlkit.config.schema import ConfigError, RLConfig, TrainerConfig, to_dict
 from rlkit.flops import device_peak
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
@@ -71,7 +71,19 @@ def check_config(cfg: RLConfig) -> None:
         raise ConfigError(
             f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"
         )
+    if t.max_staleness > t.steps:
+        raise ConfigError(
+            f"trainer.max_staleness={t.max_staleness} exceeds trainer.steps={t.steps}: no batch of the run can be "
+            f"that stale; use at most {t.steps} (1 = one-step-off-policy)"
+        )
     if t.mode != "async":
+        defaults = TrainerConfig()
+        for key in ("max_staleness", "rollout_gpus"):
+            if getattr(t, key) != getattr(defaults, key):
+                log.warning(
+                    "trainer.%s=%s has no effect with trainer.mode=%r (it is an async key): did you mean "
+                    "trainer.mode=async?", key, getattr(t, key), t.mode,
+                )  # fmt: skip
         return
     if t.train_batch_size % (r.group_size * t.rollout_gpus):
         raise ConfigError(

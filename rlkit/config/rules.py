@@ -348,3 +348,39 @@ def local_path_exists(key: str, path: str | None) -> None:
     """A value that looks like a local path (starts with / . or ~) must exist."""
     if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
         raise ConfigError(f"{key}={path!r} does not exist (a local path: it starts with / . or ~)")
+
+
+def fits_type(value, tp) -> bool:
+    """Whether a config value (YAML: bool, int, float, str, list, dict, null) fits the annotation `tp`.
+    Lenient where the annotation says nothing checkable (Any, a class of its own, a forward reference)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is typing.Any or isinstance(tp, (str, typing.ForwardRef)):
+        return True
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        return any(fits_type(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if tp is type(None) or tp is None:
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, set, frozenset) or tp in (list, tuple, set, frozenset):
+        return isinstance(value, (list, tuple))
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    return True  # a config class, a callable, ...: the consumer checks it
+
+
+def type_name(tp) -> str:
+    """An annotation as a user reads it: `float | None`, `one of ['auto', 'fp8']`."""
+    if typing.get_origin(tp) is typing.Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")

@@ -263,7 +263,7 @@ class EnvConfig:
     max_total_tokens: Optional[int] = None
     """Cap on an episode's response tokens, model and observation (finish `length`); null = rollout.max_new_tokens."""
     timeout_s: float = 10.0
-    """An environment step running longer than this ends its episode with reward 0 (`env/timeouts`)."""
+    """An environment reset or step running longer than this is killed (its worker process) and ends its episode with reward 0 (`env/timeouts`)."""
 
 
 @dataclass

@@ -11,7 +11,8 @@ An environment is built per episode (`cls(**env.kwargs)`) and driven by rlkit.ro
 The episode ends at `done`, after `env.max_turns` model turns, or when the response (model and
 observation tokens) reaches `env.max_total_tokens` (finish reason `length`). A step that raises or
 runs longer than `env.timeout_s` ends its episode with reward 0 and is counted (`env/errors`,
-`env/timeouts`). `stop` lists extra stop strings that end a model turn (the tool call's closing tag);
+`env/timeouts`); so does a malformed result or a first message that leaves no room (rlkit/envs/workers.py
+runs the environments in worker processes, where a hung step is killed). `stop` lists extra stop strings that end a model turn (the tool call's closing tag);
 `tool_calls` counts the tool calls the environment served (logged as `env/tool_calls`, per episode).
 
 Environments are named like reward functions: a built-in (`single_turn`, `calculator`) or an import
@@ -31,7 +32,14 @@ from rlkit.lookup import lookup
 @functools.cache
 def resolve_env(spec: str) -> type:
     """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
-    return lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
+    cls = lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
+    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
+        what = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', type(cls).__name__)}"
+        raise ValueError(
+            f"env.name={spec!r} is {what}, not an environment class (a class with reset(row, messages) and "
+            f"step(text), e.g. a subclass of rlkit.envs.Environment); built-in: {list(ENVIRONMENTS)}"
+        )
+    return cls
 
 
 def make_env(spec: str, kwargs: dict | None = None):
@@ -41,6 +49,11 @@ def make_env(spec: str, kwargs: dict | None = None):
 
 def check_env_config(env, rollout) -> None:
     """Start-up checks of the `env.*` keys (raises ValueError naming the key, value and valid range)."""
+    if env.name.split(":")[0].split(".")[0] == "__main__":
+        raise ValueError(
+            f"env.name={env.name!r}: environments are built in worker processes, which import them by path; "
+            "move the class to a module (module:Class)"
+        )
     resolve_env(env.name)
     if env.max_turns < 1:
         raise ValueError(f"env.max_turns={env.max_turns!r} must be >= 1")

@@ -12,12 +12,16 @@ after the first push) proves the adapter arrived: a push that dropped it leaves 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
 from rlkit.config.schema import ConfigError
+from rlkit.models import resolve_model
+
+log = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
 _BASE = ".base_layer."
@@ -95,3 +99,31 @@ def check_config(cfg) -> None:
         raise ConfigError(
             f"model.lora.target_modules={targets!r} must be a non-empty list of module names, e.g. [q_proj, v_proj]"
         )
+    if cfg.model.lora.rank == 0:
+        return
+    try:
+        layers = adaptable_layers(cfg.model.path)
+    except (OSError, ValueError) as e:  # no config to read here (offline hub id): the model load will say
+        log.warning(
+            "model.lora.target_modules not checked: the config of %r does not load (%s)", cfg.model.path, e
+        )
+        return
+    names = sorted({name.rsplit(".", 1)[-1] for name in layers})
+    for t in targets:
+        if t != "all-linear" and not any(name == t or name.endswith("." + t) for name in layers):
+            raise ConfigError(
+                f"model.lora.target_modules: {t!r} names no linear layer of model.path={cfg.model.path!r}: "
+                f"valid {names} (or all-linear)"
+            )
+
+
+def adaptable_layers(model_path: str) -> list[str]:
+    """The names of the policy's linear layers (what peft's `target_modules` match, by name or suffix), read
+    from the model's config: the model is built on the meta device, no weight is loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory, gguf_file = resolve_model(model_path)
+    config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

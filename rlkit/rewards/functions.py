@@ -191,6 +191,10 @@ def call_reward(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]
         return [(0.0, f"{type(e).__name__}: {e}")] * len(items)
 
 
+OVERLONG_PENALTY_WARN = 10.0
+"""A reward.overlong_penalty above this is legal but almost surely wrong (logged at start-up)."""
+
+
 def check_config(cfg) -> None:
     """The `reward.*` keys of an `RLConfig`: every function resolves, weights are finite, routes are
     complete (raises ConfigError before any model loads)."""
@@ -217,6 +221,16 @@ def check_config(cfg) -> None:
             "reward.model='' is not a model: give a hub id or local directory, or null for none"
         )
     local_path_exists("reward.model", w.model)
+    if w.route_by is not None and not w.routes:
+        log.warning(
+            "reward.route_by=%r without reward.routes: every sample is scored by reward.fn=%r; add "
+            "reward.routes.<value>=<function> or drop reward.route_by", w.route_by, w.fn,
+        )  # fmt: skip
+    if w.overlong_penalty > OVERLONG_PENALTY_WARN:
+        log.warning(
+            "reward.overlong_penalty=%g swamps the reward scale (the built-in rewards are in [0, 1]): an overlong "
+            "sample's penalty drowns every other reward of its group; use a value near 1", w.overlong_penalty,
+        )  # fmt: skip
     if w.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(
             f"reward.overlong_buffer={w.overlong_buffer} must be <= "

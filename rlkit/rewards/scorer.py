@@ -25,7 +25,7 @@ def _init_worker() -> None:
     import math_verify  # noqa: F401  (sympy takes a second or two to import)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Linux: the kernel SIGKILLs this process when its parent dies, so no worker outlives the trainer."""
     import ctypes
     import os
@@ -50,7 +50,7 @@ def _worker_main(conn, parent_pid: int) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     _init_worker()
     conn.send("ready")
     while True:

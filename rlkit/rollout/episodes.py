@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,7 +27,8 @@ from torch import Tensor
 
 from rlkit.batch import RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
-from rlkit.envs import SingleTurn, make_env
+from rlkit.envs import SingleTurn, resolve_env
+from rlkit.envs.workers import EnvWorkers, LocalEnvs
 from rlkit.rollout.engines.base import rows_to_batch
 
 log = logging.getLogger(__name__)
@@ -43,7 +41,8 @@ class Episode:
     prompt: list[int]
     messages: list[dict]
     """The conversation so far (first messages, then model turns and observations)."""
-    env: object
+    env: int
+    """The environment's id in its runner (EnvWorkers / LocalEnvs)."""
     position: int
     """Global episode index (seeds of later turns under rollout.seed_per_prompt)."""
     ids: list[int] = field(default_factory=list)
@@ -55,7 +54,9 @@ class Episode:
     finish: str = "stop"
     done: bool = False
     failed: str | None = None
-    """"error" or "timeout" when an environment step failed (the episode's reward is then 0)."""
+    """"error" or "timeout" when an environment call failed (the episode's reward is then 0)."""
+    why: str = ""
+    """The failure's reason (logged once per batch and reason)."""
 
 
 @dataclass(frozen=True)
@@ -118,39 +119,6 @@ def check_multiturn_template(tokenizer, cfg, messages: list[dict]) -> None:
         ) from e
 
 
-def _check_step(out) -> tuple[list[dict] | None, float, bool]:
-    obs, reward, done = out
-    reward = float(reward)
-    if not math.isfinite(reward):
-        raise ValueError(f"non-finite reward {reward}")
-    if obs is not None and not isinstance(obs, list):
-        raise TypeError(f"observation must be a list of messages or None, got {type(obs).__name__}")
-    return obs, reward, bool(done)
-
-
-def step_all(envs: list, texts: list[str], timeout_s: float) -> list[tuple[str, object]]:
-    """env.step(text) for every pair, concurrently, each within `timeout_s` of the start.
-
-    Returns ("ok", (obs, reward, done)), ("error", message) or ("timeout", None) per pair. A hung
-    step's thread cannot be killed in Python: it is abandoned (a daemon thread) and its episode ends.
-    """
-    results: list = [None] * len(envs)
-
-    def work(k):
-        try:
-            results[k] = ("ok", _check_step(envs[k].step(texts[k])))
-        except BaseException as e:  # an environment must never take the run down
-            results[k] = ("error", f"{type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(envs))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [r if r is not None else ("timeout", None) for r in results]
-
-
 def _single_turn(rb: RolloutBatch, rooms: list[int]) -> EpisodeBatch | None:
     """The one-turn episodes of the default environment: the engine's batch as it is (tensors kept, no
     environment step, no thread); None when a response must be cut to its room (the general path does it)."""
@@ -168,28 +136,80 @@ def _single_turn(rb: RolloutBatch, rooms: list[int]) -> EpisodeBatch | None:
     )
 
 
-def _start(prompts, messages, rows, n, env_name, env_kwargs, tokenizer, first_position) -> list[Episode]:
-    """n episodes per prompt, each with its own environment, reset from the prompt's dataset row."""
+def _fail(e: Episode, status: str, why: str) -> None:
+    """End episode `e` with reward 0 (counted in env/errors, and env/timeouts for "timeout")."""
+    e.failed, e.done, e.reward, e.why = status, True, 0.0, why
+
+
+def _log_failures(episodes: list[Episode], env_name: str) -> None:
+    """One warning per distinct reason of the batch's failed episodes, with how many and which."""
+    by_reason: dict[tuple[str, str], list[int]] = {}
+    for e in episodes:
+        if e.failed is not None:
+            by_reason.setdefault((e.failed, e.why), []).append(e.position)
+    for (status, why), positions in by_reason.items():
+        shown = ", ".join(map(str, positions[:8])) + (", ..." if len(positions) > 8 else "")
+        log.warning(
+            "environment %s: %d episode(s) (%s) end with reward 0, %s: %s",
+            env_name, len(positions), shown, status, why,
+        )  # fmt: skip
+
+
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_position):
+    """n episodes per prompt, each with its own environment (built and reset by `runner` from the prompt's
+    dataset row). Returns the episodes and the environment's stop strings. An episode whose environment
+    cannot be built or reset, or whose first messages leave no room in the context, has failed already
+    (it keeps the dataset's prompt and gets no model turn)."""
+    made = runner.call("make", {k: () for k in range(len(prompts) * n)})
+    stop = next((v for status, v in made.values() if status == "ok"), ())
+    resets = runner.call(
+        "reset", {k: (rows[k // n], messages[k // n]) for k, (status, _) in made.items() if status == "ok"}
+    )
     episodes: list[Episode] = []
-    for i, (ids, msgs, row) in enumerate(zip(prompts, messages, rows)):
-        envs = [make_env(env_name, env_kwargs) for _ in range(n)]
-        # Every episode's env is reset (it may keep state from the row); the G episodes of a row share
-        # one first prompt, so reset must be a function of the row.
-        firsts = [env.reset(row, msgs) for env in envs]
-        if firsts[0] != msgs:
-            ids = tokenizer.apply_chat_template(firsts[0], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(ids, add_special_tokens=False).input_ids
-        for j, env in enumerate(envs):
-            episodes.append(Episode(list(ids), list(firsts[0]), env, (first_position + i) * n + j))
-    return episodes
+    for i, (ids, msgs) in enumerate(zip(prompts, messages)):
+        # The G episodes of a row share one first prompt (one engine call with n=G), so reset must be a
+        # function of the row: the first successful reset of the row gives it.
+        outs = [resets.get(i * n + j, made[i * n + j]) for j in range(n)]
+        first = next((v for status, v in outs if status == "ok"), msgs)
+        problem = None
+        if first != msgs:
+            try:
+                new_ids = _render(tokenizer, first)
+            except Exception as ex:
+                problem = (
+                    f"the chat template cannot render reset's first messages ({type(ex).__name__}: {ex})"
+                )
+            else:
+                if context is not None and len(new_ids) >= context:
+                    problem = (
+                        f"reset's first messages take {len(new_ids)} tokens, the model's context {context}"
+                    )
+                else:
+                    ids = new_ids
+        for j, (status, out) in enumerate(outs):
+            k = i * n + j
+            e = Episode(list(ids), list(first), k, (first_position + i) * n + j)
+            if status != "ok" or problem:
+                e.messages = list(msgs)
+                _fail(e, status if status != "ok" else "error", out if status != "ok" else problem)
+            episodes.append(e)
+    return episodes, stop
 
 
 def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[Episode]:
     """Append each live episode's sampled turn (cut to its room); returns the episodes whose environment
-    steps next (a turn cut by the token budget ends its episode without a step)."""
+    steps next (a turn cut by the token budget ends its episode without a step). Row k of `rb` is
+    `live[k]`'s turn; an episode already done (failed at its start) ignores its row."""
     lengths = rb.response_lengths.tolist()
     stepping = []
     for k, e in enumerate(live):
+        if e.done:
+            continue
         toks = rb.response_ids[k, : lengths[k]].tolist()
         lps = rb.rollout_logprobs[k, : lengths[k]].tolist()
         finish, limit = rb.finish_reasons[k], room(e)
@@ -213,8 +233,11 @@ def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[E
     return stepping
 
 
-def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids: set[int]) -> None:
-    """Apply one successful environment step: its reward, and its observation appended as context tokens."""
+def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> None:
+    """Apply one successful environment step: its reward, and its observation appended as context tokens.
+    An observation the chat template cannot render, or longer than the episode's whole token budget (it
+    could never fit, however short the model's turns), fails the episode; one that only overflows the room
+    left ends it with finish reason `length` (the budget ran out: not the environment's fault)."""
     obs, reward, done = out
     e.reward += reward
     history = list(e.messages)
@@ -223,7 +246,19 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids: set[i
         e.done = True
         return
     eos = tokenizer.decode([e.ids[-1]]) if e.ids and e.ids[-1] in eos_ids else None
-    extra = observation_ids(tokenizer, history, obs or [], eos)
+    try:
+        extra = observation_ids(tokenizer, history, obs or [], eos)
+    except Exception as ex:
+        _fail(e, "error", f"the chat template cannot render the observation ({type(ex).__name__}: {ex})")
+        return
+    budget = room(e) + len(e.ids)  # env.max_total_tokens, or less when the context is shorter
+    if len(extra) >= budget:
+        _fail(
+            e,
+            "error",
+            f"an observation of {len(extra)} tokens is longer than the episode's budget of {budget}",
+        )
+        return
     if len(extra) >= room(e):  # no room for the observation and one more model token
         e.done, e.finish = True, "length"
         return
@@ -232,12 +267,12 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids: set[i
     e.model += [False] * len(extra)
 
 
-def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, errors: int, timeouts: int):
+def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, tool_calls: list[int]):
     """The finished episodes as an EpisodeBatch (observation tokens out of the response mask)."""
     batch = rows_to_batch(
         [e.prompt for e in episodes],
         [(e.ids, e.logprobs, e.finish) for e in episodes],
-        [e.texts[-1] for e in episodes],
+        [e.texts[-1] if e.texts else "" for e in episodes],
         n,
         pad_id,
     )
@@ -251,11 +286,11 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, er
         failed=torch.tensor([e.failed is not None for e in episodes], dtype=torch.bool),
         stats={
             "turns": torch.tensor([float(e.turns) for e in episodes]),
-            "tool_calls": torch.tensor([float(getattr(e.env, "tool_calls", 0)) for e in episodes]),
+            "tool_calls": torch.tensor([float(tool_calls[e.env]) for e in episodes]),
             "failed": torch.tensor([float(e.failed is not None) for e in episodes]),
         },
-        errors=errors,
-        timeouts=timeouts,
+        errors=sum(e.failed is not None for e in episodes),
+        timeouts=sum(e.failed == "timeout" for e in episodes),
     )
 
 
@@ -281,12 +316,39 @@ def run_episodes(
     """Run n episodes per prompt to the end; episodes of prompt i are rows i*n ... i*n+n-1.
 
     `generate(prompts, n, sampling, turn, positions) -> RolloutBatch` samples one turn (the caller
-    seeds it); `positions` are the global indices of the episodes (turns after the first).
+    seeds it); `positions` are the global indices of the episodes (turns after the first). The
+    environments live in worker processes for the batch (rlkit/envs/workers.py), closed on return;
+    `single_turn` runs in this process (no process, no thread).
     """
-    episodes = _start(prompts, messages, rows, n, env_name, env_kwargs, tokenizer, first_position)
-    stop = tuple(sampling.stop) + tuple(
-        s for s in getattr(episodes[0].env, "stop", ()) if s not in sampling.stop
-    )
+    count = len(prompts) * n
+    if resolve_env(env_name) is SingleTurn:
+        runner = LocalEnvs(env_name, env_kwargs, count)
+    else:
+        runner = EnvWorkers(env_name, env_kwargs, count, timeout_s=timeout_s)
+    try:
+        episodes, env_stop = _start(
+            runner, prompts, messages, rows, n, tokenizer,
+            context=context, first_position=first_position,
+        )  # fmt: skip
+        stop = tuple(sampling.stop) + tuple(s for s in env_stop if s not in sampling.stop)
+        limits = dict(
+            max_turns=max_turns, max_total_tokens=max_total_tokens, context=context, eos_ids=eos_ids
+        )
+        sampling = dataclasses.replace(sampling, stop=stop)
+        single = type(runner) is LocalEnvs
+        single_turn, gen_seconds = _turns(
+            generate, runner, episodes, n, sampling, tokenizer, single=single, **limits
+        )
+        _log_failures(episodes, env_name)
+        return single_turn or _finish(episodes, n, pad_id, gen_seconds, runner.tool_calls)
+    finally:
+        runner.close()
+
+
+def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_turns,
+           max_total_tokens, context, eos_ids):  # fmt: skip
+    """The model turns and environment steps of `episodes` until all are done. Returns (the engine's batch
+    as it is, for single-turn episodes that need no cut, else None; the generation seconds)."""
 
     def room(e: Episode) -> int:
         left = max_total_tokens - len(e.ids)
@@ -294,33 +356,35 @@ def run_episodes(
             left = min(left, context - len(e.prompt) - len(e.ids))
         return left
 
-    errors = timeouts = 0
     gen_seconds = 0.0
-    live = episodes
+    live = [e for e in episodes if not e.done]
     for turn in range(max_turns):
-        s = dataclasses.replace(
-            sampling, max_new_tokens=min(sampling.max_new_tokens, max(map(room, live))), stop=stop
-        )
+        if not live:
+            break
+        s = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max(map(room, live))))
         if turn == 0:
-            rb = generate([episodes[i * n].prompt for i in range(len(prompts))], n, s, 0, None)
-            if type(episodes[0].env) is SingleTurn and (
-                single := _single_turn(rb, [room(e) for e in episodes])
+            rows = [
+                i for i in range(len(episodes) // n) if any(not e.done for e in episodes[i * n : i * n + n])
+            ]
+            rb = generate([episodes[i * n].prompt for i in rows], n, s, 0, None)
+            if (
+                single
+                and len(rows) * n == len(episodes)
+                and (one := _single_turn(rb, [room(e) for e in episodes]))
             ):
-                return single
+                return one, 0.0
+            live = [episodes[i * n + j] for i in rows for j in range(n)]
         else:
             rb = generate([e.prompt + e.ids for e in live], 1, s, turn, [e.position for e in live])
         gen_seconds += rb.stats.get("gen_seconds", 0.0)
         stepping = _take_turn(live, rb, room, tokenizer)
-        results = step_all([e.env for e in stepping], [e.texts[-1] for e in stepping], timeout_s)
-        for e, (status, out) in zip(stepping, results):
+        results = runner.call("step", {e.env: (e.texts[-1],) for e in stepping})
+        for e in stepping:
+            status, out = results[e.env]
             if status == "ok":
-                _observe(e, out, max_turns=max_turns, room=room, tokenizer=tokenizer, eos_ids=eos_ids)
-                continue
-            e.failed, e.done = status, True
-            errors += 1
-            timeouts += status == "timeout"
-            log.warning("environment %s step %s on episode %d: %s", env_name, status, e.position, out)
+                _observe(e, out, max_turns=max_turns, room=room, tokenizer=tokenizer,
+                         eos_ids=eos_ids)  # fmt: skip
+            else:
+                _fail(e, status, out)
         live = [e for e in episodes if not e.done]
-        if not live:
-            break
-    return _finish(episodes, n, pad_id, gen_seconds, errors, timeouts)
+    return None, gen_seconds

@@ -29,7 +29,7 @@ from torch import Tensor
 from rlkit.algos.advantages import ESTIMATORS, overlong_penalty, zero_std_groups
 from rlkit.batch import SUMMED_STATS, ScoredBatch
 from rlkit.config.rules import choice
-from rlkit.config.schema import ConfigError
+from rlkit.config.schema import AlgoConfig, ConfigError
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import prompt_messages
 from rlkit.models import load_tokenizer
@@ -322,6 +322,11 @@ def check_config(cfg) -> None:
     a = cfg.algo
     choice("algo.dynamic_sampling", a.dynamic_sampling, DYNAMIC_SAMPLING)
     choice("algo.filter_metric", a.filter_metric, FILTER_METRICS)
+    if a.dynamic_sampling == "off" and a.filter_metric != AlgoConfig().filter_metric:
+        log.warning(
+            "algo.filter_metric=%r has no effect with algo.dynamic_sampling='off' (it picks the groups refill "
+            "keeps): did you mean algo.dynamic_sampling=refill?", a.filter_metric,
+        )  # fmt: skip
     grouped = ESTIMATORS.names(group_based=True)
     if a.dynamic_sampling == "refill" and a.adv_estimator not in grouped:
         raise ConfigError(

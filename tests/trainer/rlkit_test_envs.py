@@ -1,5 +1,6 @@
 """Environments for the multi-turn tests (imported by path, also by launched subprocesses)."""
 
+import os
 import time
 
 from rlkit.envs import Environment
@@ -31,3 +32,47 @@ class Reframed(Chatty):
 
     def reset(self, row, messages):
         return [{"role": "user", "content": f"Repeat: {row['question']}"}]
+
+
+HUGE = "x " * 500_000  # 1 MB of text
+
+
+class Misbehaving(Chatty):
+    """Fails the way `how` names (the row's column `how`, if any, wins), at reset or at its first step:
+    `raise`, `content_none`, `content_int`, `element_not_dict`, `not_a_list`, `reset_none`,
+    `reset_raise`, `huge_first` (a 1 MB first message), `huge_observation`, `spin` (a step that loops
+    on the CPU), `sleep` (a step that sleeps for an hour), `exit` (os._exit in the step), `ok` (Chatty)."""
+
+    def __init__(self, how: str = "ok"):
+        self.how = how
+
+    def reset(self, row, messages):
+        self.how = row.get("how", self.how)
+        if self.how == "reset_none":
+            return None
+        if self.how == "reset_raise":
+            raise RuntimeError("reset boom")
+        if self.how == "huge_first":
+            return [{"role": "user", "content": HUGE}]
+        return messages
+
+    def step(self, text):
+        bad = {
+            "content_none": [{"role": "user", "content": None}],
+            "content_int": [{"role": "user", "content": 7}],
+            "element_not_dict": ["Go on."],
+            "not_a_list": "Go on.",
+            "huge_observation": [{"role": "user", "content": HUGE}],
+        }
+        if self.how in bad:
+            return bad[self.how], 0.25, False
+        if self.how == "raise":
+            raise RuntimeError("step boom")
+        if self.how == "spin":
+            while True:
+                pass
+        if self.how == "sleep":
+            time.sleep(3600)
+        if self.how == "exit":
+            os._exit(3)
+        return super().step(text)

@@ -127,6 +127,52 @@ def test_rollout_is_without_logprobs_turns_them_on(caplog):
 # A value of None means YAML null. Numbers outside their range are checked by `test_every_range`.
 BAD = [
     ("env.name", "nope", ["env.name='nope'"]),
+    ("env.name", "os:getcwd", ["env.name='os:getcwd' is posix.getcwd, not an environment class"]),
+    ("env.name", "__main__:Guess", ["env.name='__main__:Guess'", "move the class to a module"]),
+    (
+        "env.kwargs",
+        {"role": "robot"},
+        ["env.kwargs={'role': 'robot'}", "role='robot' is not one of ['user', 'tool', 'system']"],
+        {"env": {"name": "calculator", "max_turns": 3}, "data": {"template": "chat"}},
+    ),
+    (
+        "model.lora.target_modules",
+        ["foo_proj"],
+        [
+            "model.lora.target_modules: 'foo_proj' names no linear layer of model.path='smollm2-135m'",
+            "'q_proj'",
+        ],
+        {"model": {"lora": {"rank": 8}}},
+    ),
+    (
+        "rollout.engine_kwargs",
+        {"kv_cache_gib": "abc"},
+        ["rollout.engine_kwargs.kv_cache_gib='abc' must be float | None"],
+        {"rollout": {"engine": "vllm"}},
+    ),
+    (
+        "rollout.engine_kwargs",
+        {"bogus_kw": 1},
+        [
+            "rollout.engine_kwargs.bogus_kw=1 is not a keyword of the vllm engine",
+            "'kv_cache_gib'",
+            "EngineArgs",
+        ],
+        {"rollout": {"engine": "vllm"}},
+    ),
+    (
+        "rollout.engine_kwargs",
+        {"kv_cache_dtype": "fp9"},
+        ["rollout.engine_kwargs.kv_cache_dtype='fp9' must be one of ['auto',"],
+        {"rollout": {"engine": "vllm"}},
+    ),
+    (
+        "rollout.engine_kwargs",
+        {"kv_cache_gib": 0},
+        ["rollout.engine_kwargs.kv_cache_gib=0 must be > 0"],
+        {"rollout": {"engine": "vllm"}},
+    ),
+    ("trainer.max_staleness", 1000000, ["trainer.max_staleness=1000000 exceeds trainer.steps="]),
     ("env.kwargs", {"bogus": 1}, ["env.kwargs={'bogus': 1}"]),
     ("reward.route_by", [1], ["reward.route_by"]),
     ("reward.routes", {"a": "math"}, ["reward.routes={'a': 'math'} needs reward.route_by"]),
@@ -264,14 +310,23 @@ def quickstart():
     return OmegaConf.to_container(_compose(["+recipe=quickstart_1digit"]), resolve=True)
 
 
+def _merge(node: dict, extra: dict) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(node.get(k), dict):
+            _merge(node[k], v)
+        else:
+            node[k] = v
+
+
 def _with(base: dict, key: str, value, extra: dict | None = None) -> dict:
     import copy
 
     cfg = copy.deepcopy(base)
     if extra and "algo" in extra:  # the ppo group: GAE with a critic
         cfg["algo"].update(adv_estimator="gae", value_model=True, kl_in_reward=False)
-    if extra and "trainer" in extra:
-        cfg["trainer"].update(extra["trainer"])
+    for section in ("trainer", "env", "model", "rollout", "data"):
+        if extra and section in extra:
+            _merge(cfg[section], extra[section])
     *parents, leaf = key.split(".")
     node = cfg
     for p in parents:
@@ -355,3 +410,40 @@ def test_boundary_values_are_accepted(quickstart):
         load_config(_with(quickstart, key, value))
     for recipe in RECIPES:
         load_config(_compose([f"+recipe={recipe}"]))
+
+
+@pytest.mark.parametrize(
+    "key, value, extra, words",
+    [
+        ("reward.overlong_penalty", 1e30, {}, "reward.overlong_penalty=1e+30 swamps the reward scale"),
+        ("reward.route_by", "question", {}, "reward.route_by='question' without reward.routes"),
+        ("trainer.max_staleness", 2, {}, "trainer.max_staleness=2 has no effect with trainer.mode='sync'"),
+        ("trainer.rollout_gpus", 2, {}, "trainer.rollout_gpus=2 has no effect with trainer.mode='sync'"),
+        (
+            "algo.filter_metric",
+            "accuracy",
+            {"algo": {"dynamic_sampling": "off"}},
+            "algo.filter_metric='accuracy' has no effect with algo.dynamic_sampling='off'",
+        ),
+    ],
+)
+def test_legal_but_almost_surely_wrong_values_are_logged_at_start_up(
+    quickstart, caplog, key, value, extra, words
+):
+    """Each warning comes from the preflight (load_config, before any model loads), for that value only."""
+    base = _with(quickstart, key, value)
+    if extra:
+        _merge(base["algo"], extra["algo"])
+    with caplog.at_level(logging.WARNING):
+        load_config(base)
+    assert words in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_config(
+            _with(
+                quickstart,
+                "algo.dynamic_sampling",
+                "off" if extra else quickstart["algo"]["dynamic_sampling"],
+            )
+        )
+    assert words.split(" ")[0].split("=")[0] + "=" not in caplog.text

@@ -5,7 +5,13 @@ script as token ids (a scripted engine lets a test choose ids that re-encoding w
 of real multi-turn episodes are checked against the learner's fp32 recomputation."""
 
 import dataclasses
+import multiprocessing
+import os
+import random
+import re
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +23,7 @@ from rlkit.envs import make_env, resolve_env
 from rlkit.envs.calculator import CalcError, evaluate, format_number
 from rlkit.models import load_tokenizer, make_tiny_checkpoint
 from rlkit.rollout.engines.base import Sampling, rows_to_batch
-from rlkit.rollout.episodes import run_episodes, step_all
+from rlkit.rollout.episodes import run_episodes
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -104,14 +110,15 @@ class Scripted:
         return rows_to_batch([p for p in prompts for _ in range(n)], rows, texts, n, EOS)
 
 
-def _run(tok, script, env="calculator", n=2, max_turns=4, budget=200, **kw):
+def _run(tok, script, env="calculator", n=2, max_turns=4, budget=200, env_kwargs=None, rows=None, **kw):
     question = [{"role": "user", "content": "What is 12*7+3?"}]
     prompt = encode(tok, tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True))
     engine = Scripted(tok, script)
+    rows = rows or [{"question": "q"}]
     out = run_episodes(
-        engine, tok, [prompt], [question], [{"question": "q"}], n, Sampling(max_new_tokens=50),
-        env_name=env, env_kwargs={}, max_turns=max_turns, max_total_tokens=budget, timeout_s=5.0,
-        eos_ids={EOS}, pad_id=EOS, **kw,
+        engine, tok, [prompt] * len(rows), [question] * len(rows), rows, n, Sampling(max_new_tokens=50),
+        env_name=env, env_kwargs=env_kwargs or {}, max_turns=max_turns, max_total_tokens=budget,
+        eos_ids={EOS}, pad_id=EOS, **{"timeout_s": 5.0, **kw},
     )  # fmt: skip
     return question, prompt, engine, out
 
@@ -189,26 +196,178 @@ def test_token_budget_and_max_turns_end_episodes(tok):
     _, _, engine, out = _run(tok, [call], max_turns=1)
     assert len(engine.calls) == 1 and out.stats["turns"].tolist() == [1.0, 1.0]
     assert out.rollout.response_mask.sum(-1).tolist() == [len(call)] * 2
-    # A budget that fits the call but not the observation: finish reason "length", no observation appended.
-    _, _, engine, out = _run(tok, [call, call], budget=len(call) + 5)
+    # A budget that fits the call and, alone, the observation (18 tokens) but not both: finish reason
+    # "length", no observation appended, not an error.
+    _, _, engine, out = _run(tok, [call, call], budget=len(call) + 17)
     assert out.rollout.finish_reasons == ("length", "length") and len(engine.calls) == 1
+    assert out.errors == 0 and not out.failed.any()
     assert out.rollout.response_ids.shape[1] == len(call)
 
 
 def test_failing_and_hanging_steps_are_counted():
-    class Boom(Chatty):
-        def step(self, text):
-            raise RuntimeError("boom")
+    from rlkit.envs.workers import EnvWorkers
 
-    class Slow(Chatty):
-        def step(self, text):
-            time.sleep(2)
-            return super().step(text)
-
-    results = step_all([Boom(), Slow(), Chatty()], ["a", "b", "c"], timeout_s=0.3)
-    assert results[0][0] == "error" and "boom" in results[0][1]
-    assert results[1] == ("timeout", None)
+    workers = EnvWorkers("rlkit_test_envs:Misbehaving", {}, 4, timeout_s=0.5)
+    try:
+        assert all(v[0] == "ok" for v in workers.call("make", {k: () for k in range(4)}).values())
+        hows = ["raise", "sleep", "ok", "exit"]
+        resets = workers.call(
+            "reset", {k: ({"how": how}, [{"role": "user", "content": "q"}]) for k, how in enumerate(hows)}
+        )
+        assert all(v[0] == "ok" for v in resets.values())
+        results = workers.call("step", {k: ("a",) for k in range(4)})
+    finally:
+        workers.close()
+    assert results[0][0] == "error" and "step boom" in results[0][1]
+    assert results[1][0] == "timeout" and "env.timeout_s=0.5" in results[1][1]
     assert results[2] == ("ok", ([{"role": "user", "content": "Go on."}], 0.25, False))
+    assert results[3][0] == "error" and "exit code 3" in results[3][1]
+    assert multiprocessing.active_children() == []
+
+
+def _descendants() -> set[int]:
+    """Live descendant processes of this one (children, and the fork server's children), from /proc."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parent[int(stat.parent.name)] = int(fields[1])
+    out, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - out
+        out |= frontier
+    return out
+
+
+def test_single_turn_starts_no_process_or_thread(tok, monkeypatch):
+    """The default environment never steps: its episodes (also when a response is cut to its room, which
+    takes the general path) run in this process, with no worker process and no thread."""
+    import rlkit.rollout.episodes as episodes
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("single_turn started a process or a thread")
+
+    monkeypatch.setattr(episodes, "EnvWorkers", refuse, raising=False)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    turn = encode(tok, TURN)
+    _, _, _, out = _run(tok, [turn], env="single_turn")
+    assert out.stats["turns"].tolist() == [1.0, 1.0] and out.errors == 0
+    _, _, _, cut = _run(tok, [turn], env="single_turn", budget=3)  # cut: the general path
+    assert cut.rollout.finish_reasons == ("length", "length") and cut.rollout.response_mask.sum() == 6
+
+
+def test_sigterm_to_the_process_group_spares_the_environment_workers():
+    """SIGTERM to the whole process group is the trainer's to handle: the fork server and the workers ignore
+    it, so the step being finished keeps its environments (a dead fork server would take them along)."""
+    import signal
+
+    from rlkit.envs.workers import EnvWorkers
+
+    workers = EnvWorkers("rlkit_test_envs:Misbehaving", {}, 2, timeout_s=5.0)
+    try:
+        assert all(v[0] == "ok" for v in workers.call("make", {0: (), 1: ()}).values())
+        server = [
+            p
+            for p in _descendants()
+            if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+        ]
+        assert len(server) == 1
+        for pid in [*server, *(w.proc.pid for w in workers._workers)]:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        results = workers.call("step", {0: ("a",), 1: ("b",)})
+    finally:
+        workers.close()
+    assert all(v == ("ok", ([{"role": "user", "content": "Go on."}], 0.25, False)) for v in results.values())
+    assert Path(f"/proc/{server[0]}").exists()
+
+
+TURN = "Let me think about it step by step"
+
+# Each failure and the reason its warning gives.
+MALFORMED = {
+    "raise": "step raised RuntimeError: step boom",
+    "content_none": "step returned a bad result: observation[0]['content'] must be a string, got NoneType",
+    "content_int": "observation[0]['content'] must be a string, got int",
+    "element_not_dict": "observation[0] must be a dict with role and content, got str",
+    "not_a_list": "observation must be a list of messages, got str",
+    "reset_none": "reset returned a bad result: reset's first messages must be a list of messages, got NoneType",
+    "reset_raise": "reset raised RuntimeError: reset boom",
+    "huge_first": "tokens, the model's context 1024",
+    "huge_observation": "tokens is longer than the episode's budget of 400",
+    "exit": "its worker died (exit code 3)",
+}
+
+
+@pytest.mark.parametrize("how", MALFORMED)
+def test_a_misbehaving_environment_fails_only_its_episode(tok, how, caplog):
+    """Each failure ends the bad row's episodes with reward 0, counted in env/errors (never a raise), its
+    reason logged once; the good row's episodes run on with their per-step rewards."""
+    script = [encode(tok, TURN)] * 3
+    rows = [{"question": "q", "how": how}, {"question": "q", "how": "ok"}]
+    _, _, engine, out = _run(tok, script, env="rlkit_test_envs:Misbehaving", rows=rows, max_turns=3,
+                             context=1024, budget=400)  # fmt: skip
+    assert out.failed.tolist() == [True, True, False, False], how
+    assert out.errors == 2 and out.timeouts == 0
+    assert out.env_rewards.tolist() == [0.0, 0.0, 0.75, 0.75]
+    assert out.stats["turns"].tolist()[2:] == [3.0, 3.0]
+    (warning,) = [r.getMessage() for r in caplog.records if "end with reward 0" in r.getMessage()]
+    assert "2 episode(s) (0, 1)" in warning and MALFORMED[how] in warning
+    if how in ("reset_none", "reset_raise", "huge_first"):  # no model turn; the prompt stays the dataset's
+        assert out.stats["turns"].tolist()[:2] == [0.0, 0.0] and len(engine.calls[0][0]) == 1
+        assert out.rollout.prompt_ids.shape[1] < 100
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["spin", "sleep"])
+def test_a_hung_step_is_killed_with_nothing_left_behind(tok, how):
+    """A step over env.timeout_s is stopped for real: its worker process is killed, no thread or process
+    is left, and the next batches take no longer (a leaked CPU-spinning thread would hold the GIL)."""
+    script = [encode(tok, TURN)] * 3
+    _run(tok, script, env="rlkit_test_envs:Chatty", max_turns=1)  # starts the fork server (it stays)
+    threads, processes = threading.active_count(), _descendants()
+    seconds = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        _, _, _, out = _run(tok, script, env="rlkit_test_envs:Misbehaving", env_kwargs={"how": how},
+                            max_turns=3, timeout_s=0.5)  # fmt: skip
+        seconds.append(time.monotonic() - t0)
+        assert out.failed.all() and out.errors == 2 and out.timeouts >= 1
+        assert out.env_rewards.eq(0).all() and out.stats["turns"].tolist() == [1.0, 1.0]
+        assert threading.active_count() == threads
+        assert _descendants() == processes and multiprocessing.active_children() == []
+    assert max(seconds) < 10 and seconds[-1] < 2 * seconds[0] + 1, seconds
+
+
+def test_calculator_scan_is_linear_in_the_turn():
+    env = make_env("calculator")
+    for text in (
+        "<calc>" * 170_000,
+        "<calc>1" + "</calc>" * 145_000,
+        "<calc>1+1</calc> x" * 56_000 + "<calc>2*3</calc>",
+    ):
+        assert len(text) >= 1_000_000
+        t0 = time.monotonic()
+        obs, _, done = env.step(text)
+        assert time.monotonic() - t0 < 1.0
+    assert obs == [{"role": "user", "content": "<result>6</result>"}] and not done
+    assert (make_env("calculator").step("<calc>" * 170_000)) == (None, 0.0, True)
+    from rlkit.envs.calculator import last_call
+
+    # The scan finds what the lazy pattern `<calc>(.*?)</calc>` found (its last match), on every split.
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(
+            rng.choice(["<calc>", "</calc>", "1+2", "x", "\n", "<calc"]) for _ in range(rng.randint(0, 9))
+        )
+        found = re.findall(r"<calc>(.*?)</calc>", text, re.DOTALL)
+        assert last_call(text) == (found[-1] if found else None), text
 
 
 # -- real multi-turn episodes: log-probs equal the learner's recomputation -----------------------------

@@ -92,6 +92,26 @@ def test_environment_errors_and_timeouts_are_counted_and_score_zero(tiny, tmp_pa
     assert (piece["per_fn"]["env"][~failed] > 0).any()  # the others kept their per-step rewards
 
 
+@pytest.mark.parametrize("how", ["content_none", "huge_first", "spin"])
+def test_a_misbehaving_environment_never_ends_the_run(tiny, tmp_path, how):
+    """A malformed observation (it raised from the chat template), a 1 MB first message (it made
+    max_new_tokens negative) and a step that spins on the CPU: the run finishes, every episode scores 0
+    and is counted in env/errors, the step time does not grow, and no worker process is left."""
+    import multiprocessing
+
+    metrics = train(
+        tiny, tmp_path / "x", "trainer.steps=3", *MULTI, "env.name=rlkit_test_envs:Misbehaving",
+        f"+env.kwargs.how={how}", "env.timeout_s=0.5", "trainer.eval_at_start=false",
+    )  # fmt: skip
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["env/errors"] == 8 and m["reward/mean"] == 0 and m["reward/env"] == 0
+        assert m["env/timeouts"] == (8 if how == "spin" else 0)
+    seconds = [m["timing/step_s"] for m in metrics]
+    assert seconds[-1] < 2 * seconds[1] + 1, seconds
+    assert multiprocessing.active_children() == []
+
+
 def test_multi_turn_two_processes_give_the_same_metrics_as_one(tiny, tmp_path):
     common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *MULTI)
     runs = {}

@@ -12,14 +12,18 @@ Importing this package never imports vllm.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
+import typing
 
 import torch
 
+from rlkit.config.rules import fits_type, type_name
 from rlkit.config.schema import ConfigError
 from rlkit.lookup import Registry
 from rlkit.rollout.engines.base import RolloutEngine, Sampling
-from rlkit.rollout.engines.vllm import VLLMEngine, vllm_can_run
+from rlkit.rollout.engines.vllm import VLLMEngine, engine_arg_types, vllm_can_run
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +112,8 @@ def make_engine(
 
 
 def check_config(cfg) -> None:
-    """`rollout.engine` and, for the HF engine, `rollout.engine_kwargs` (raises ConfigError)."""
-    import inspect
+    """`rollout.engine` and `rollout.engine_kwargs`: keywords of the engine it resolves to, each value of
+    the keyword's type (vLLM's checked against its engine arguments without building one; raises ConfigError)."""
 
     r = cfg.rollout
     try:
@@ -119,8 +123,12 @@ def check_config(cfg) -> None:
     if not r.engine_kwargs:
         return
     engine = resolve_engine(r.engine, cfg.model.path)
-    if engine != "hf":
-        return  # vLLM passes unknown keywords on to vllm.LLM
+    if engine == "vllm":
+        try:
+            check_engine_kwargs(dict(r.engine_kwargs))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return
     params = inspect.signature(ENGINES["hf"]().__init__).parameters
     valid = sorted(
         k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "device", "seed")
@@ -131,6 +139,70 @@ def check_config(cfg) -> None:
     mbs = r.engine_kwargs.get("max_batch_size", 1)
     if not isinstance(mbs, int) or mbs < 1:
         raise ConfigError(f"rollout.engine_kwargs.max_batch_size={mbs!r} must be an integer >= 1")
+
+
+# What VLLMEngine passes to vllm.LLM itself (from model.*, trainer.seed): rollout.engine_kwargs cannot set it.
+SET_BY_RLKIT = (
+    "model", "tokenizer", "tensor_parallel_size", "distributed_executor_backend", "dtype", "seed", "logprobs_mode",
+)  # fmt: skip
+
+
+# The valid values of VLLMEngine's own numeric keywords (checked again when the engine is built).
+OWN_RANGES = {
+    "kv_cache_gib": (lambda v: v > 0, "> 0 (GiB of KV cache)"),
+    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "sleep_level": (lambda v: v in (1, 2), "1 or 2"),
+    "max_num_batched_tokens": (lambda v: v >= 1, ">= 1"),
+    "max_model_len": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def own_keywords() -> dict[str, object]:
+    """VLLMEngine's own keywords (e.g. kv_cache_gib) and their annotations."""
+    hints = typing.get_type_hints(VLLMEngine.__init__)
+    params = inspect.signature(VLLMEngine.__init__).parameters
+    return {
+        k: hints.get(k, typing.Any)
+        for k, p in params.items()
+        if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "seed")
+    }
+
+
+def engine_keywords() -> dict[str, object]:
+    """Every keyword rollout.engine_kwargs may give the vllm engine, and its annotation: vLLM's engine
+    arguments (imported without building an engine), then VLLMEngine's own."""
+    out = {k: v for k, v in engine_arg_types().items() if k not in SET_BY_RLKIT}
+    return out | own_keywords()
+
+
+def check_engine_kwargs(kwargs: dict) -> None:
+    """rollout.engine_kwargs for the vllm engine: each key is a keyword of it and each value fits its type
+    (raises ValueError naming the key, the value and the valid keywords or type)."""
+    try:
+        valid = engine_keywords()
+    except ImportError as e:
+        log.warning("rollout.engine_kwargs not checked: vllm.engine.arg_utils does not import (%s)", e)
+        return
+    own = sorted(own_keywords())
+    for k, v in kwargs.items():
+        if k in SET_BY_RLKIT:
+            raise ValueError(
+                f"rollout.engine_kwargs.{k}={v!r}: rlkit sets {k} itself (from model.* and trainer.seed); "
+                f"the keywords it sets: {list(SET_BY_RLKIT)}"
+            )
+        if k not in valid:
+            close = difflib.get_close_matches(k, list(valid), n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ValueError(
+                f"rollout.engine_kwargs.{k}={v!r} is not a keyword of the vllm engine: {hint}valid: rlkit's "
+                f"{own}, or one of vLLM's {len(valid) - len(own)} engine arguments "
+                "(the fields of vllm.engine.arg_utils.EngineArgs)"
+            )
+        if not fits_type(v, valid[k]):
+            raise ValueError(f"rollout.engine_kwargs.{k}={v!r} must be {type_name(valid[k])}")
+        ok, bound = OWN_RANGES.get(k, (None, ""))
+        if ok is not None and v is not None and not ok(v):
+            raise ValueError(f"rollout.engine_kwargs.{k}={v!r} must be {bound}")
 
 
 __all__ = [

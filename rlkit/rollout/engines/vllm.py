@@ -21,10 +21,12 @@ CUDA graphs (compiled mode) and NCCL.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import time
+import typing
 from collections.abc import Iterable
 
 import torch
@@ -427,3 +429,15 @@ __all__ = [
     "vllm_can_run",
     "vllm_weight_name",
 ]
+
+
+def engine_arg_types() -> dict[str, object]:
+    """vLLM's engine arguments and their annotations: the fields of `vllm.engine.arg_utils.EngineArgs`, which
+    `vllm.LLM` builds from its keywords. Imports that module only: no engine is built."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        hints = typing.get_type_hints(EngineArgs)
+    except Exception:  # a forward reference vLLM does not resolve: the raw annotations (checked leniently)
+        hints = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+    return {f.name: hints.get(f.name, typing.Any) for f in dataclasses.fields(EngineArgs)}

@@ -1,0 +1,259 @@
+"""Environments in worker processes, where a call that hangs or crashes can be killed (rlkit.rollout.episodes
+drives them).
+
+An environment is stateful and lives for one episode, so a worker owns the environment objects it built
+(`make`) for the whole episode batch, addressed by id, and runs their `reset` and `step` calls one at a
+time: one worker per episode (up to `MAX_WORKERS` per batch, beyond which the episodes of a row share one). Each call gets `env.timeout_s` from the moment it is sent to its worker (start-up is not charged to
+it). A call over its limit, or a worker that dies (os._exit, a segfault, the OOM killer), gets its worker
+SIGKILLed and reaped: no thread or process outlives it, and a call that spins on the CPU cannot hold the
+trainer's GIL. Any other environment that lived in that worker is lost with it, so its episode ends too
+(counted as an error, with the reason). Workers fork from multiprocessing's fork server (never from the
+trainer, which holds torch threads and maybe CUDA), ignore SIGINT / SIGTERM (the trainer's to handle),
+die with the fork server (PR_SET_PDEATHSIG), which ignores SIGTERM too and exits with the trainer, and are
+closed at the end of the batch.
+
+Every result is checked in the worker (`check_messages`, `check_step`): a malformed one is an error of
+that call, never an exception in the trainer. `LocalEnvs` runs the same calls in this process, without
+a thread or a timeout: only for `single_turn`, whose calls cannot hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from rlkit.envs import make_env
+from rlkit.envs.base import check_messages, check_step
+from rlkit.rewards.scorer import die_with_parent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EnvCall:
+    """One call to an environment in its worker: `make` (build it), `reset(row, messages)` or `step(text)`."""
+
+    env: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class EnvReply:
+    """A call's result. `value`: make -> the stop strings; reset -> messages; step -> (obs, reward, done);
+    the error's text when not `ok`. `tool_calls`: the environment's counter after the call."""
+
+    env: int
+    ok: bool
+    value: object
+    tool_calls: int = 0
+
+
+def _checked_first_messages(out) -> list[dict]:
+    messages = check_messages(out, "reset's first messages")
+    if not messages:
+        raise ValueError("reset's first messages are empty")
+    return messages
+
+
+def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
+    """Run one call on the environments `envs` (id -> object); any failure is the reply's error."""
+    try:
+        if call.method == "make":
+            envs[call.env] = make_env(spec, kwargs)
+            out = getattr(envs[call.env], "stop", ())
+        else:
+            out = getattr(envs[call.env], call.method)(*call.args)
+    except BaseException as e:  # an environment must never take the run down (SystemExit included)
+        return EnvReply(call.env, False, f"{call.method} raised {type(e).__name__}: {e}"[:500])
+    try:
+        if call.method == "make":
+            value = tuple(str(s) for s in out)
+        elif call.method == "reset":
+            value = _checked_first_messages(out)
+        else:
+            value = check_step(out)
+        reply = EnvReply(call.env, True, value, int(getattr(envs[call.env], "tool_calls", 0)))
+        pickle.dumps(reply)  # an unpicklable value fails this call here, not the pipe
+        return reply
+    except BaseException as e:
+        return EnvReply(call.env, False, f"{call.method} returned a bad result: {e}"[:500])
+
+
+def _worker_main(conn, spec: str, kwargs: dict) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(os.getppid())  # the fork server, which exits when the trainer does
+    envs: dict = {}
+    conn.send("ready")
+    while True:
+        try:
+            call = conn.recv()
+        except (EOFError, OSError):
+            return
+        if call is None:
+            return
+        conn.send(serve(envs, call, spec, kwargs))
+
+
+class _Worker:
+    def __init__(self, ctx, spec: str, kwargs: dict, start_timeout_s: float):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.busy: EnvCall | None = None
+        self.deadline = time.monotonic() + start_timeout_s
+        self.queue: deque[EnvCall] = deque()
+
+    def kill(self) -> None:
+        """SIGKILL and reap (never waits on anything the worker holds)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+MAX_WORKERS = 64
+"""Worker processes of one batch: one per episode up to this many (beyond it, neighbours share one)."""
+
+
+def context():
+    """Workers fork from multiprocessing's fork server (started once, clean: no torch, no CUDA, no trainer
+    threads; it preloads this module and ignores SIGTERM), so a batch's workers start in milliseconds; spawn
+    where there is no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process.
+    os.environ["RLKIT_ENV_FORKSERVER_PARENT"] = str(os.getpid())
+    ctx.set_forkserver_preload(["rlkit.envs.forkserver"])
+    return ctx
+
+
+class EnvWorkers:
+    """`count` environments of `spec` (ids 0 .. count-1), built in worker processes (see the module doc).
+
+    `call(method, {id: args})` returns {id: (status, value)}: ("ok", value), ("error", why) or
+    ("timeout", why). An environment lost with its worker answers every later call with ("error", why).
+    """
+
+    def __init__(
+        self, spec: str, kwargs: dict, count: int, *, timeout_s: float, max_workers: int = MAX_WORKERS
+    ):
+        self.timeout_s = timeout_s
+        self.start_timeout_s = max(60.0, timeout_s)
+        ctx = context()
+        n = max(1, min(count, max_workers))
+        self._workers = [_Worker(ctx, spec, dict(kwargs), self.start_timeout_s) for _ in range(n)]
+        # Neighbours share a worker when there are more episodes than workers: the G episodes of a row.
+        self._home = {i: self._workers[i * n // count] for i in range(count)}
+        self.lost: dict[int, str] = {}
+        self.tool_calls = [0] * count
+
+    def close(self) -> None:
+        """Stop every worker (asked, then killed if it does not exit at once); safe to call twice."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in workers:
+            w.proc.join(timeout=1.0)
+            w.kill()
+
+    def _lose(self, w: _Worker, why: str, results: dict) -> None:
+        """Kill `w`; its busy call gets `why`, its other environments are lost (their queued calls fail)."""
+        w.kill()
+        self._workers.remove(w)
+        if w.busy is not None and w.busy.env not in results:
+            results[w.busy.env] = ("error", why)
+        culprit = w.busy.env if w.busy is not None else None
+        shared = why if culprit is None else f"lost with its worker ({why} in environment {culprit})"
+        for env, home in self._home.items():
+            if home is w and env not in self.lost:
+                self.lost[env] = why if env == culprit else shared
+        for call in w.queue:
+            results[call.env] = ("error", self.lost[call.env])
+        w.busy, w.queue = None, deque()
+
+    def _dispatch(self) -> None:
+        for w in self._workers:
+            if w.ready and w.busy is None and w.queue:
+                w.busy = w.queue.popleft()
+                w.deadline = time.monotonic() + self.timeout_s
+                try:
+                    w.conn.send(w.busy)
+                except OSError:  # it died: its sentinel reports it
+                    pass
+
+    def _receive(self, w: _Worker, results: dict) -> None:
+        try:
+            message = w.conn.recv() if w.conn.poll() else None
+        except (EOFError, OSError):
+            message = None
+        if message is None:  # the sentinel fired or the pipe broke: the worker is dead
+            w.proc.join(timeout=10)
+            self._lose(w, f"its worker died (exit code {w.proc.exitcode})", results)
+        elif message == "ready":
+            w.ready = True
+        else:
+            self.tool_calls[message.env] = message.tool_calls
+            results[message.env] = ("ok", message.value) if message.ok else ("error", message.value)
+            w.busy = None
+
+    def call(self, method: str, args: dict[int, tuple]) -> dict[int, tuple[str, object]]:
+        results: dict[int, tuple[str, object]] = {}
+        for env, a in args.items():
+            if env in self.lost:
+                results[env] = ("error", self.lost[env])
+            else:
+                self._home[env].queue.append(EnvCall(env, method, tuple(a)))
+        while any(w.queue or w.busy is not None for w in self._workers):
+            self._dispatch()
+            limits = [w.deadline for w in self._workers if w.busy is not None or not w.ready]
+            handles = {w.conn: w for w in self._workers} | {w.proc.sentinel: w for w in self._workers}
+            timeout = max(0.0, min(limits) - time.monotonic()) if limits else None
+            fired = {handles[h] for h in mp_connection.wait(list(handles), timeout=timeout)}
+            for w in list(self._workers):
+                if w in fired:
+                    self._receive(w, results)
+                elif w.busy is not None and time.monotonic() >= w.deadline:
+                    results[w.busy.env] = ("timeout", f"{method} ran over env.timeout_s={self.timeout_s:g}s")
+                    self._lose(
+                        w, f"{method} ran over env.timeout_s={self.timeout_s:g}s (worker killed)", results
+                    )
+                elif not w.ready and time.monotonic() >= w.deadline:
+                    self._lose(w, f"its worker did not start within {self.start_timeout_s:g}s", results)
+        return results
+
+
+class LocalEnvs:
+    """The same calls in this process, without a thread or a timeout: for `single_turn` only (it never hangs)."""
+
+    def __init__(self, spec: str, kwargs: dict, count: int):
+        self.spec, self.kwargs = spec, dict(kwargs)
+        self._envs: dict = {}
+        self.lost: dict[int, str] = {}
+        self.tool_calls = [0] * count
+
+    def call(self, method: str, args: dict[int, tuple]) -> dict[int, tuple[str, object]]:
+        results = {}
+        for env, a in args.items():
+            reply = serve(self._envs, EnvCall(env, method, tuple(a)), self.spec, self.kwargs)
+            self.tool_calls[env] = reply.tool_calls
+            results[env] = ("ok", reply.value) if reply.ok else ("error", reply.value)
+        return results
+
+    def close(self) -> None:
+        self._envs.clear()
