@@ -27,7 +27,7 @@ PACKAGE = REPO / "rlkit"
 LEAVES = {
     "rlkit", "rlkit.batch", "rlkit.algos", "rlkit.config", "rlkit.config.schema", "rlkit.weights", "rlkit.rundir",
     "rlkit.collectives", "rlkit.timing", "rlkit.metrics", "rlkit.logging", "rlkit.plots", "rlkit.models",
-    "rlkit.lookup",
+    "rlkit.lookup", "rlkit.flops",
 }  # fmt: skip
 HEAVY = {
     "torch",
