@@ -49,7 +49,7 @@ lint: install-test
 	$(PY) -m ruff format --check rlkit tests scripts
 
 test: install-test lint
-	$(PY) -m pytest -q $(ARGS)
+	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_import import import_vllm
 
-pytest.importorskip("vllm", exc_type=ImportError)
+import_vllm()
 
 from rlkit.config.schema import REPO_ROOT  # noqa: E402
 
