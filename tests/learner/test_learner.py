@@ -14,6 +14,7 @@ from learner_helpers import (
     load_fp32,
     make_batch,
     reference_grads,
+    reference_loss,
 )
 
 from rlkit.algos import advantages, kl
@@ -362,3 +363,102 @@ def test_learner_counts_the_tokens_it_runs_and_skips_empty_rows(tiny_model_dir):
     assert abs(metrics["learner/flops"].item() - by_hand) <= 1e-9 * by_hand
     # Padded micro-batches run at least the real tokens; their count is the tensors' widths, not the masks.
     assert metrics["learner/run_tokens"].item() >= real
+
+
+def test_ppo_update_with_critic_equals_a_naive_optimizer_loop(tiny_model_dir):
+    """PPO with a critic, 2 epochs of 2 mini-batches: the learner's update equals a plain torch loop written
+    here on fresh copies of the checkpoint: for each epoch, for each mini-batch (rows 0-3, then 4-7), the
+    mini-batch's whole loss (policy x IS + KL - entropy + vf_coef * clipped value loss, token means over the
+    mini-batch), one backward, each model's gradient clipped to max_grad_norm, both AdamW optimizers
+    stepped. Micro-batches of 20 tokens split each mini-batch, so the accumulation is under test too."""
+    from transformers import AutoModelForTokenClassification
+
+    from rlkit.algos import losses
+
+    cfg = config(
+        tiny_model_dir, value_model=True, vf_coef=0.5, value_clip=0.2, ppo_epochs=2, mini_batches=2, lr=1e-2,
+        weight_decay=0.01, max_grad_norm=0.5, lr_schedule="constant", warmup_steps=0, kl_coef=0.1,
+        kl_estimator="k3", entropy_coef=0.01, clip_high=0.28, max_tokens_per_microbatch=20,
+    )  # fmt: skip
+    t = cfg.trainer
+    batch = make_batch(n=8, seed=71)
+    p, w = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+
+    def values_of(critic, rows):  # the value at the position whose hidden state predicts each response token
+        out = critic(input_ids=ids[rows], attention_mask=attn[rows], position_ids=pos[rows]).logits
+        return out[:, p - 1 : p + w - 1, 0].float()
+
+    learner = Learner(cfg)
+    critic0 = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.value_model).state_dict().items()}  # fmt: skip
+    policy = load_fp32(tiny_model_dir)
+    # The critic as the learner builds it: the checkpoint's backbone plus a Linear(hidden, 1) head, whose
+    # random initial weights are taken from the learner (they depend on what drew random numbers before).
+    critic = AutoModelForTokenClassification.from_pretrained(
+        tiny_model_dir, num_labels=1, dtype=torch.float32
+    )
+    critic.config.use_cache = False
+    for k, v in critic.state_dict().items():
+        if not k.startswith("score."):
+            torch.testing.assert_close(critic0[k], v, rtol=0, atol=0)  # the backbone is the checkpoint's
+    critic.load_state_dict(critic0)
+    # Rollout-time old log-probs and values: the initial models' (ratio 1 and no value clip on the first step).
+    all_rows = list(range(8))
+    with torch.no_grad():
+        old_logp, _ = full_batch_logprobs(policy, batch, cfg.rollout.temperature)
+        old_values = values_of(critic, all_rows)
+    batch = dataclasses.replace(batch, old_logprobs=old_logp, values=old_values)
+
+    policy_opt = torch.optim.AdamW(
+        policy.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+    )
+    critic_opt = torch.optim.AdamW(
+        critic.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+    )
+    norms, value_parts = [], []
+    for _epoch in range(2):
+        for rows in ([0, 1, 2, 3], [4, 5, 6, 7]):
+            mb = batch.select(rows)
+            vl, _ = losses.value_loss(
+                values_of(critic, rows), mb.values, mb.returns, mb.response_mask, clip=0.2
+            )
+            value_loss = losses.aggregate(vl, mb.response_mask, "token-mean")
+            loss = reference_loss(policy, mb, cfg) + 0.5 * value_loss
+            value_parts.append((mb.response_mask.sum().item(), 0.5 * value_loss.item()))
+            loss.backward()
+            norms.append(
+                [torch.nn.utils.clip_grad_norm_(m.parameters(), t.max_grad_norm) for m in (policy, critic)]
+            )
+            policy_opt.step()
+            critic_opt.step()
+            policy_opt.zero_grad()
+            critic_opt.zero_grad()
+    assert any(n > t.max_grad_norm for n, _ in norms) and any(n > t.max_grad_norm for _, n in norms)
+
+    metrics = learner.update(batch)
+    assert learner.global_step == 4
+    assert len(learner.plan(batch, 2)[0].micros) >= 2  # each mini-batch really is several micro-batches
+    # loss/value: the four steps' vf_coef * value loss merged by token counts (vf_coef is invisible in the
+    # critic's weights: its own AdamW normalises a constant gradient scale away).
+    want = sum(n * v for n, v in value_parts) / sum(n for n, _ in value_parts)
+    assert metrics["loss/value"].item() == pytest.approx(want, rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(torch.tensor([n for n, _ in norms]).mean().item(), rel=1e-5)
+    # Adam moves a weight by about lr (1e-2) per step whatever its gradient's scale, and turns the float32
+    # rounding of another summation order (micro-batches vs whole mini-batch, ~1e-7 relative) into up to
+    # ~1e-6 where a gradient is near 0 (measured 3e-6): 1e-5, a thousandth of one step, is the bound; a
+    # wrong loss term, order or clip moves weights by a good part of a step.
+    moved = 0.0
+    got = dict(learner.named_weights())
+    for name, want in policy.named_parameters():
+        torch.testing.assert_close(
+            got[name], want.detach(), rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    got = learner.accelerator.unwrap_model(learner.value_model).state_dict()
+    for name, want in critic.named_parameters():
+        torch.testing.assert_close(
+            got[name], want.detach(), rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        moved = max(moved, (want.detach() - critic0[name]).abs().max().item())
+    assert moved > 1e-3  # the critic really trained (4 steps of lr 1e-2)

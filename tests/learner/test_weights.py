@@ -46,14 +46,15 @@ def test_push_weights_streams_every_tensor_with_stats(tiny_model_dir):
 @pytest.fixture(scope="module")
 def tokenizer_model_dir(tmp_path_factory):
     """A tiny random Llama sharing SmolLM2's real tokenizer (the HF engine needs one)."""
-    models = pytest.importorskip("rlkit.models")
-    return models.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok"), hidden_size=32, num_layers=2)
+    from rlkit.models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok"), hidden_size=32, num_layers=2)
 
 
 def test_push_into_hf_engine_then_engine_and_learner_logprobs_agree(tokenizer_model_dir):
     """DESIGN invariant: right after a push (fp32), engine log-probs equal the learner's (mismatch ~ 0)."""
-    hf = pytest.importorskip("rlkit.rollout.engines.hf")
     from rlkit.models import load_tokenizer
+    from rlkit.rollout.engines import hf
     from rlkit.rollout.engines.base import Sampling
 
     temperature = 0.8
@@ -97,9 +98,9 @@ def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
     """Issue 9 item 5: under top-p / top-k the engine reports log-probs renormalised over the kept
     tokens; the learner, told the same truncation, replays it and agrees (no false weight-sync
     alarm). Scoring the full distribution instead is off by log(kept mass), the false alarm."""
-    hf = pytest.importorskip("rlkit.rollout.engines.hf")
     from rlkit.algos.correction import mismatch_metrics
     from rlkit.models import load_tokenizer
+    from rlkit.rollout.engines import hf
     from rlkit.rollout.engines.base import Sampling
 
     temperature = 0.8

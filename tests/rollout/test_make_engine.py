@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+from vllm_import import import_vllm
 
 from rlkit.rollout.engines import make_engine
 from rlkit.rollout.engines.base import RolloutEngine
@@ -9,7 +10,7 @@ from rlkit.rollout.engines.hf import HFEngine
 
 def test_auto_picks_hf_and_logs_why_when_vllm_cannot_run_the_model(tiny_ckpt, caplog):
     """The session's tiny model has head_dim 16: vLLM's CPU attention cannot run it (CUDA can)."""
-    vllm = pytest.importorskip("vllm", exc_type=ImportError)
+    vllm = import_vllm()
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -21,7 +22,7 @@ def test_auto_picks_hf_and_logs_why_when_vllm_cannot_run_the_model(tiny_ckpt, ca
 
 
 def test_auto_would_pick_vllm_for_a_supported_model(tmp_path):
-    pytest.importorskip("vllm", exc_type=ImportError)
+    import_vllm()
     from rlkit.models import make_tiny_checkpoint
     from rlkit.rollout.engines import vllm_usable
 
@@ -39,7 +40,7 @@ def test_unknown_engine_and_dtype_name_the_choices(tiny_ckpt):
 
 
 def test_vllm_on_a_model_it_cannot_run_fails_clearly(tiny_ckpt):
-    vllm = pytest.importorskip("vllm", exc_type=ImportError)
+    vllm = import_vllm()
     if not vllm.platforms.current_platform.is_cpu():
         pytest.skip("CUDA runs head_dim 16")
     with pytest.raises(RuntimeError, match="rollout.engine=vllm cannot run here: .*head_dim=16"):

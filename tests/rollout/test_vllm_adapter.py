@@ -5,8 +5,9 @@ import sys
 
 import pytest
 import torch
+from vllm_import import import_vllm
 
-vllm = pytest.importorskip("vllm", exc_type=ImportError)
+vllm = import_vllm()
 
 from vllm.logprobs import FlatLogprobs, Logprob  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_import import import_vllm
 
-pytest.importorskip("vllm", exc_type=ImportError)
+import_vllm()
 
 from rlkit.config.schema import REPO_ROOT  # noqa: E402
 
@@ -60,20 +61,29 @@ def _steps(run_dir: Path) -> list[dict]:
     return [m for m in lines if "reward/mean" in m]
 
 
-def test_training_with_vllm_syncs_resumes_and_splits_over_two_processes(tiny, tmp_path):
-    # Three runs at once (the 2-core machine is mostly waiting on Python anyway): straight 4 steps,
-    # the first 2 steps of a resumed run, and 2 processes for 2 steps.
-    straight, resumed, two = tmp_path / "straight", tmp_path / "resumed", tmp_path / "two"
+# The straight run is also the sync reference of the async runs (their rollout-IS statistics included).
+SYNC = ("algo.rollout_is.enabled=true",)
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tiny, tmp_path_factory):
+    """Three runs at once (the 2-core machine is mostly waiting on Python anyway): straight 4 steps, the
+    first 2 steps of a resumed run, and 2 processes for 2 steps; then the resumed run's last 2 steps."""
+    root = tmp_path_factory.mktemp("vllm_runs")
+    straight, resumed, two = root / "straight", root / "resumed", root / "two"
     procs = [
-        _start(*_args(tiny, straight)),
-        _start(*_args(tiny, resumed, "trainer.steps=2")),
-        _start(*_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2")),
+        _start(*_args(tiny, straight, *SYNC)),
+        _start(*_args(tiny, resumed, "trainer.steps=2", *SYNC)),
+        _start(*_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2", *SYNC)),
     ]
     for p in procs:
         _wait(p)
-    _wait(_start(*_args(tiny, resumed, "trainer.resume=auto")))
+    _wait(_start(*_args(tiny, resumed, "trainer.resume=auto", *SYNC)))
+    return _steps(straight), _steps(resumed), _steps(two)
 
-    a, b, c = _steps(straight), _steps(resumed), _steps(two)
+
+def test_training_with_vllm_syncs_resumes_and_splits_over_two_processes(straight_runs):
+    a, b, c = straight_runs
     assert [m["step"] for m in a] == [1, 2, 3, 4] and [m["step"] for m in b] == [1, 2, 3, 4]
     # The weight push reached the engine at every step: the engine's log-probs are the learner's.
     for m in a + b + c:
@@ -88,36 +98,20 @@ def test_training_with_vllm_syncs_resumes_and_splits_over_two_processes(tiny, tm
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
 
 
-def test_lora_training_with_vllm_passes_the_weight_sync_check(tiny, tmp_path):
-    """LoRA: the vLLM engine receives the merged weights (base names; no adapter mode in the engine) and
-    agrees with the learner after every push, at the tight threshold of `_args`."""
-    run_dir = tmp_path / "lora"
-    _wait(
-        _start(
-            *_args(
-                tiny, run_dir, "trainer.steps=3", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02"
-            )
-        )
-    )
-    steps = _steps(run_dir)
-    assert len(steps) == 3 and all(abs(m["mismatch/kl"]) < 1e-3 for m in steps)
-    assert all(m["grad_norm"] > 0 for m in steps)
-
-
-def test_async_training_with_vllm_in_a_rollout_worker_equals_sync(tiny, tmp_path):
+def test_async_training_with_vllm_in_a_rollout_worker_equals_sync(tiny, tmp_path, straight_runs):
     """trainer.mode=async: the vLLM engine lives in a rollout worker process and receives every push by
-    gloo broadcast. With max_staleness=0 the run equals the sync run step for step (the weight-sync
-    check at the tight threshold runs at steps 0 and 1); with max_staleness=1 every later batch is one
-    version old and its drift is the policy's own change."""
+    gloo broadcast. With max_staleness=0 the run equals the sync run (the straight run's first 3 steps)
+    step for step (the weight-sync check at the tight threshold runs at steps 0 and 1); with
+    max_staleness=1 every later batch is one version old and its drift is the policy's own change."""
     runs = {
-        "sync": ["algo.rollout_is.enabled=true"],
         "async0": ["trainer.mode=async", "trainer.max_staleness=0"],
         "async1": ["trainer.mode=async", "trainer.max_staleness=1", "trainer.lr=0.02"],
     }
     procs = [_start(*_args(tiny, tmp_path / name, "trainer.steps=3", *extra)) for name, extra in runs.items()]
     for p in procs:
         _wait(p)
-    sync, async0, async1 = (_steps(tmp_path / name) for name in runs)
+    sync = straight_runs[0][:3]  # a constant learning rate: the first 3 of 4 steps are a 3-step run
+    async0, async1 = (_steps(tmp_path / name) for name in runs)
     assert len(sync) == len(async0) == len(async1) == 3
     for want, got in zip(sync, async0):
         assert abs(got["mismatch/kl"]) < 1e-4 and got["staleness/max"] == 0
@@ -127,21 +121,23 @@ def test_async_training_with_vllm_in_a_rollout_worker_equals_sync(tiny, tmp_path
     assert abs(async1[0]["mismatch/kl"]) < 1e-4 and all(abs(m["mismatch/kl"]) > 1e-4 for m in async1[1:])
 
 
-def test_multi_turn_episodes_on_vllm_keep_the_sampled_tokens_and_log_probs(tiny, tmp_path):
-    """Multi-turn episodes on the vLLM engine (turns of all live episodes batched into one engine call,
-    prefix caching on): the learner's fp32 log-probs of the model's own tokens equal the engine's (the
-    weight-sync check at the tight threshold at steps 0 and 1, and mismatch ~0 at every step), with more
-    than one model turn per episode."""
-    run_dir = tmp_path / "mt"
+def test_lora_and_multi_turn_episodes_on_vllm_keep_the_engine_and_learner_in_agreement(tiny, tmp_path):
+    """One run for two features whose check is the same (the engine's log-probs are the learner's after
+    every push, at the tight threshold of `_args` at steps 0 and 1, and mismatch ~0 at every step):
+    LoRA, where the vLLM engine receives the merged weights (base names; no adapter mode in the engine),
+    and multi-turn episodes (turns of all live episodes batched into one engine call, prefix caching on),
+    where the learner scores the model's own tokens with more than one model turn per episode."""
+    run_dir = tmp_path / "lora_mt"
     _wait(
         _start(
             *_args(
-                tiny, run_dir, "trainer.steps=2", "env.name=rlkit_test_envs:Chatty", "env.max_turns=3",
-                "env.max_total_tokens=64",
+                tiny, run_dir, "trainer.steps=3", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02",
+                "env.name=rlkit_test_envs:Chatty", "env.max_turns=3", "env.max_total_tokens=64",
             )
         )
     )  # fmt: skip
     steps = _steps(run_dir)
-    assert len(steps) == 2
+    assert len(steps) == 3
     for m in steps:
-        assert m["env/turns"] > 1 and abs(m["mismatch/kl"]) < 1e-4 and m["mismatch/logprob_abs_diff"] < 1e-4
+        assert m["env/turns"] > 1 and m["grad_norm"] > 0
+        assert abs(m["mismatch/kl"]) < 1e-4 and m["mismatch/logprob_abs_diff"] < 1e-4

@@ -45,6 +45,19 @@ def pid(prompt, response, answer):
     return float(os.getpid())
 
 
+def slow_length(prompt, response, answer):
+    """`length`, taking 0.5 s; as a call starts it appends its worker's pid to the file named by
+    $RLKIT_TEST_REWARD_LOG, so a test can signal a worker that is busy scoring."""
+    import os
+
+    path = os.environ.get("RLKIT_TEST_REWARD_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    time.sleep(0.5)
+    return length(prompt, response, answer)
+
+
 def crashing(prompt, response, answer):
     """Ends its process on some samples: exit (answer 'exit'), segfault ('segv'); else 1.0."""
     import ctypes

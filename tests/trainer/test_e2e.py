@@ -453,6 +453,37 @@ def test_lora_run_passes_the_sync_checks_resumes_exactly_and_saves_adapter_and_m
     assert any(not torch.equal(p, base[n]) for n, p in merged.named_parameters())
 
 
+def test_lora_dropout_resumes_exactly_only_with_the_saved_random_states(tiny, tmp_path):
+    """LoRA dropout is the only consumer of the global RNG (sampling and evaluation have their own seeded
+    generators), so the resumed run equals the straight one only if the checkpoint's RNG states are restored.
+    Negative control: the same resume from a copy of the checkpoint without its `random_states_*.pkl` (which
+    accelerate then skips, keeping the RNG as `set_seed` left it at start-up) draws other dropout masks."""
+    import shutil
+
+    extra = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.1", "trainer.lr=0.02")
+    straight = train(tiny, tmp_path / "a", "trainer.steps=4", *extra)
+    first = train(tiny, tmp_path / "b", "trainer.steps=2", *extra)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    second = train(tiny, tmp_path / "b", "trainer.steps=4", "trainer.resume=auto", *extra)
+    keys = ("reward/mean", "loss/total", "grad_norm", "mismatch/kl", "response_length/mean")
+    for want, got in zip(straight, first + second):
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    wa, wb = _weights(tmp_path / "a/checkpoints/step_4"), _weights(tmp_path / "b/checkpoints/step_4")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+
+    rng_files = sorted((tmp_path / "c/checkpoints/step_2/state").glob("random_states_*.pkl"))
+    assert [f.name for f in rng_files] == ["random_states_0.pkl"]
+    rng_files[0].unlink()
+    forgetful = train(tiny, tmp_path / "c", "trainer.steps=4", "trainer.resume=auto", *extra)
+    # Step 3's rollouts come from step 2's weights (identical), its update draws other dropout masks.
+    assert forgetful[0]["reward/mean"] == pytest.approx(straight[2]["reward/mean"], rel=1e-5, abs=1e-7)
+    assert forgetful[0]["grad_norm"] != pytest.approx(straight[2]["grad_norm"], rel=1e-3)
+    wc = _weights(tmp_path / "c/checkpoints/step_4")
+    assert max((wc[k] - wa[k]).abs().max().item() for k in wa) > 1e-4
+
+
 def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkeypatch):
     import rlkit.learner.learner
     import rlkit.learner.lora

@@ -43,17 +43,35 @@ def _group_alive(pgid):
     return True
 
 
+def _running(pid):
+    """Alive and not a zombie (a worker killed by the signal stays a zombie until the trainer reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _pids(log):
+    return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
 def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
-    """`timeout`, `docker stop`, Slurm and systemd signal every process of the job, reward workers too."""
+    """`timeout`, `docker stop`, Slurm and systemd signal every process of the job, reward workers too. The
+    signal arrives while a reward worker is busy: the worker ignores it (same pid, no replacement), the step
+    finishes with intact rewards, equal to those of a run that was never signalled."""
     run_dir = tmp_path / "g"
     timeout_s = 5
-    args = overrides(
-        tiny, run_dir, "trainer.steps=500", f"reward.timeout_s={timeout_s}", "reward.num_workers=2"
+    reward = (
+        "reward.fn=rlkit_test_rewards:slow_length",
+        f"reward.timeout_s={timeout_s}",
+        "reward.num_workers=2",
     )
+    reward_log = tmp_path / "reward_pids"
+    env = {**_env(), "RLKIT_TEST_REWARD_LOG": str(reward_log)}
     log = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlkit.train", *args], env=_env(), stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True,
+        [sys.executable, "-m", "rlkit.train", *overrides(tiny, run_dir, "trainer.steps=500", *reward)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
@@ -62,8 +80,15 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
                 -3000:
             ]
             time.sleep(0.2)
+        calls = len(_pids(reward_log))
+        while len(_pids(reward_log)) == calls:  # wait for a reward call to start: its worker sleeps 0.5 s
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        workers = set(_pids(reward_log))
         start = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.1)  # the busy call has 0.4 s left: the step is not over, no worker is closed yet
+        survived = {p: _running(p) for p in workers}
         rc = proc.wait(timeout=timeout_s + 60)
         elapsed = time.monotonic() - start
     finally:
@@ -73,6 +98,8 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
     out = (tmp_path / "out.txt").read_text()
     print(f"MEASURED sigterm-to-exit {elapsed:.1f}s (reward.timeout_s={timeout_s})")
     assert rc == 0, out[-3000:]
+    assert len(workers) == 2 and all(survived.values()), survived  # the signal killed no reward worker
+    assert set(_pids(reward_log)) == workers  # and no replacement worker scored anything after it
     assert elapsed < timeout_s + 10, elapsed
     steps = _steps(run_dir)
     ckpt = latest_checkpoint(run_dir)
@@ -84,6 +111,16 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
         time.sleep(0.1)
     left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True)
     assert not _group_alive(proc.pid), left.stdout  # no reward worker left behind
+    # The signalled step scored every sample, and every step equals the same run never signalled.
+    signalled = read_jsonl(run_dir / "metrics.jsonl")
+    assert signalled[-1]["reward/errors"] == 0 and signalled[-1]["reward/timeouts"] == 0
+    straight_dir = tmp_path / "straight"
+    test_e2e._launch(tmp_path, *overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))
+    straight = read_jsonl(straight_dir / "metrics.jsonl")
+    assert [m["step"] for m in straight] == steps
+    for want, got in zip(straight[1:], signalled[1:]):
+        for key in ("reward/mean", "reward/std", "reward/max", "reward/errors", "response_length/mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
 
 
 class _Payload:

@@ -3,6 +3,7 @@ seen at once (not by the timeout), and the scorer keeps working. Each call runs 
 hang fails the test instead of blocking the suite."""
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -32,6 +33,34 @@ def bounded(fn, seconds):
     return out["value"], time.monotonic() - start
 
 
+class Caller:
+    """Like `bounded`, but every call runs in one daemon thread that lives as long as the test: a reward
+    worker dies with the thread that started it (PR_SET_PDEATHSIG fires when that thread exits), so with a
+    thread per call every worker would be killed between two calls."""
+
+    def __init__(self):
+        self.tasks = queue.Queue()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self):
+        while True:
+            fn, out, done = self.tasks.get()
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # re-raised in the test thread
+                out["error"] = e
+            done.set()
+
+    def __call__(self, fn, seconds):
+        out, done = {}, threading.Event()
+        start = time.monotonic()
+        self.tasks.put((fn, out, done))
+        assert done.wait(seconds), f"hung for more than {seconds}s"
+        if "error" in out:
+            raise out["error"]
+        return out["value"], time.monotonic() - start
+
+
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -40,9 +69,19 @@ def alive(pid):
     return True
 
 
+def running(pid):
+    """Alive and not a zombie (a killed worker that is not reaped yet still answers os.kill(pid, 0))."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_idle_worker_killed_then_scoring_and_close_go_on(sig):
     scorer = RewardScorer("rlkit_test_rewards:pid", timeout_s=30.0, num_workers=2)
+    bounded = Caller()  # the workers' starting thread outlives them: only the signal may kill one
     try:
         first, _ = bounded(lambda: scorer.score(["q"] * 4, ["r"] * 4, ["a"] * 4), 120)
         pids = {int(p) for p in first.total}
@@ -57,6 +96,8 @@ def test_idle_worker_killed_then_scoring_and_close_go_on(sig):
         assert all(alive(p) for p in now)
         if sig == signal.SIGKILL:
             assert victim not in now
+        else:  # workers ignore SIGTERM (it is the trainer's to handle): the same process goes on scoring
+            assert running(victim) and now <= pids
         workers = [w.proc.pid for w in scorer._workers]
     finally:
         _, closing = bounded(scorer.close, 30)
