@@ -235,7 +235,10 @@ def rlkit_table(result: dict) -> str:
     lines.append(f"{'step':<16} {total:7.2f}")
     for key, label in (
         ("perf/gen_tokens_per_s", "generated tokens/s"),
-        ("learner/tokens_per_s", "trained tokens/s (learner)"),
+        ("learner/tokens_per_s", "trained tokens/s (learner)"),  # counted: rows skipped as zero-std excluded
+        ("learner/run_tokens", "tokens run by the learner"),
+        ("perf/gen_mfu", "generation MFU"),
+        ("perf/learner_mfu", "learner MFU"),
         ("perf/peak_memory_gb", "peak memory (GB)"),
     ):
         lines.append(f"{label:<24} {avg(key):10.2f}")
