@@ -8,6 +8,7 @@ from rlkit.config.schema import RLConfig
 FLAT = {
     "model_path": "model.path",
     "dtype": "model.dtype",
+    "compute_dtype": "model.compute_dtype",
     "gradient_checkpointing": "model.gradient_checkpointing",
     "lora_rank": "model.lora.rank",
     "lora_alpha": "model.lora.alpha",

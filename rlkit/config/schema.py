@@ -63,6 +63,10 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Parameter / compute dtype of learner and engine: float32 | bfloat16 (float16 is not supported:
     it needs loss scaling, which the learner does not do)."""
+    compute_dtype: Optional[str] = None
+    """Learner compute: null = bf16 on CUDA or under FSDP2 when model.dtype=bfloat16, else fp32; bfloat16 =
+    bf16 matmuls (autocast, or FSDP2's mixed precision) with fp32 master weights, gradients and optimizer
+    state, on CPU too; float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

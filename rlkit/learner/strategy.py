@@ -43,8 +43,9 @@ def make_accelerator(cfg):
     assignments accelerate runs for a GPU group; nothing else is patched. What differs from CUDA:
     the collectives go over gloo instead of NCCL, and bf16 runs on the CPU's bf16 kernels.
 
-    Precision: `model.dtype=bfloat16` is fp32 master weights with bf16 compute (FSDP2's
-    MixedPrecisionPolicy; autocast under DDP on CUDA). On CPU without FSDP2 it stays fp32.
+    Precision: bf16 compute keeps fp32 master weights, gradients and optimizer state (FSDP2's
+    MixedPrecisionPolicy; accelerate's autocast of the model's forward otherwise, on CPU too). It is on with
+    `model.compute_dtype=bfloat16`, and by default (null) with `model.dtype=bfloat16` on CUDA or under FSDP2.
     """
     from datetime import timedelta
 
@@ -56,7 +57,12 @@ def make_accelerator(cfg):
     timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)
     world_size = PartialState(cpu=not cuda, timeout=timeout).num_processes
     strategy = resolve_strategy(cfg.trainer.strategy, cuda=cuda, world_size=world_size)
-    bf16 = cfg.model.dtype == "bfloat16" and (cuda or strategy == "fsdp2")
+    compute = cfg.model.compute_dtype
+    bf16 = (
+        compute == "bfloat16"
+        if compute is not None
+        else cfg.model.dtype == "bfloat16" and (cuda or strategy == "fsdp2")
+    )
     mixed_precision = "bf16" if bf16 else "no"
     if strategy != "fsdp2":
         return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
@@ -114,6 +120,8 @@ def check_config(cfg) -> None:
             f"does not do): use one of {list(DTYPES)}"
         )
     choice("model.dtype", m.dtype, DTYPES)
+    if m.compute_dtype is not None:
+        choice("model.compute_dtype", m.compute_dtype, DTYPES)
     choice("trainer.device", t.device, DEVICES)
     choice("trainer.strategy", t.strategy, STRATEGIES)
     if t.device == "cuda" and not torch.cuda.is_available():

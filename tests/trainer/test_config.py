@@ -182,6 +182,11 @@ BAD = [
     ("model.path", "/no/such/model", ["model.path='/no/such/model' does not exist"]),
     ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['float32', 'bfloat16']"]),
     ("model.dtype", "fp8", ["model.dtype='fp8' is not one of ['float32', 'bfloat16']"]),
+    (
+        "model.compute_dtype",
+        "float16",
+        ["model.compute_dtype='float16' is not one of ['float32', 'bfloat16']"],
+    ),
     ("model.gradient_checkpointing", "maybe", ["model.gradient_checkpointing", "maybe"]),
     ("model.lora.target_modules", [], ["model.lora.target_modules=[] must be a non-empty list"]),
     ("data.path", "", ["data.path is missing"]),
