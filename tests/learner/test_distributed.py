@@ -12,6 +12,7 @@ from learner_helpers import (
     FULL_LOSS,
     RANK_ROWS,
     RESUME,
+    TIMING,
     assert_grads_close,
     assert_resume_exact,
     four_steps_then_two_plus_two,
@@ -89,7 +90,8 @@ def test_padding_microbatches_do_not_dilute_metrics(ddp_results, tiny_model_dir)
     got = ddp_results[0]["update"]["metrics"]
     assert got.keys() == expected.keys()
     for k in expected:
-        if k == "learner/tokens_per_s":
+        # Timing, and the tokens of the tensors run: rank 1 runs padding micro-batches of its own widths.
+        if k in (*TIMING, "learner/run_tokens"):
             continue
         torch.testing.assert_close(got[k], expected[k], atol=1e-5, rtol=1e-5, msg=k)
     # Padding rows would pull the minimum ratio to 0 if they were merged.

@@ -325,7 +325,7 @@ def test_a_crafted_pending_file_is_refused_on_resume_and_never_run(tiny, tmp_pat
     """A pickle whose loading would write a marker file, saved under the pending file's name in an async
     checkpoint: the resume is refused with an error naming the file, and the marker is never written."""
     from rlkit.rollout.remote.messages import MessageError
-    from rlkit.rundir import PENDING_FILE
+    from rlkit.rundir import PENDING_FILE, write_checksums
 
     run = ("trainer.steps=1", *ASYNC)
     train(tiny, tmp_path / "c", *run)
@@ -337,6 +337,7 @@ def test_a_crafted_pending_file_is_refused_on_resume_and_never_run(tiny, tmp_pat
             return (open, (str(marker), "w"))
 
     torch.save({"pending": Evil()}, ckpt / PENDING_FILE)
+    write_checksums(ckpt)  # checksums catch damage, not tampering: whoever plants a file can rewrite them
     with pytest.raises(MessageError, match=PENDING_FILE) as info:
         train(tiny, tmp_path / "c", "trainer.steps=2", *ASYNC)
     assert "never unpickled" in str(info.value)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlkit.config.schema import REPO_ROOT
-from rlkit.rundir import latest_checkpoint
+from rlkit.rundir import latest_checkpoint, write_checksums
 from rlkit.train import compose, load_config
 from rlkit.trainer import run
 
@@ -476,6 +476,9 @@ def test_lora_dropout_resumes_exactly_only_with_the_saved_random_states(tiny, tm
     rng_files = sorted((tmp_path / "c/checkpoints/step_2/state").glob("random_states_*.pkl"))
     assert [f.name for f in rng_files] == ["random_states_0.pkl"]
     rng_files[0].unlink()
+    write_checksums(
+        tmp_path / "c/checkpoints/step_2"
+    )  # the copy stays a consistent checkpoint, minus its RNG
     forgetful = train(tiny, tmp_path / "c", "trainer.steps=4", "trainer.resume=auto", *extra)
     # Step 3's rollouts come from step 2's weights (identical), its update draws other dropout masks.
     assert forgetful[0]["reward/mean"] == pytest.approx(straight[2]["reward/mean"], rel=1e-5, abs=1e-7)
