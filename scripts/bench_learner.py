@@ -171,6 +171,12 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=3, help="timed updates (after one warm-up)")
     ap.add_argument("--max-tokens", type=int, default=8192, help="max_tokens_per_microbatch")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument(
+        "--compute-dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="model.compute_dtype (default: null)",
+    )
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the reference model and KL loss")
     ap.add_argument("--seed", type=int, default=0)
@@ -186,7 +192,7 @@ def main() -> None:
         torch.manual_seed(args.seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
         cfg = RLConfig()
-        cfg.model.path, cfg.model.dtype = tmp, args.dtype
+        cfg.model.path, cfg.model.dtype, cfg.model.compute_dtype = tmp, args.dtype, args.compute_dtype
         cfg.model.gradient_checkpointing = args.gradient_checkpointing
         cfg.trainer.lr, cfg.trainer.seed = 1e-6, args.seed
         cfg.trainer.max_tokens_per_microbatch = args.tokens or args.max_tokens
@@ -216,10 +222,11 @@ def main() -> None:
         sampler = RSSPeak()
         sampler.start()
     start = time.perf_counter()
-    reported = []
+    reported, flops = [], 0.0
     for _ in range(args.updates):
         metrics = learner.update(batch)
         reported.append(float(metrics["learner/tokens_per_s"]))
+        flops += float(metrics["learner/flops"])
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -229,13 +236,21 @@ def main() -> None:
     else:
         added = sampler.stop()
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB CPU peak RSS (rank 0)"
+    from rlkit.flops import device_peak
+
+    peak_flops, peak_source = device_peak(learner.device, learner.compute_dtype)
+    mfu = flops / (seconds * peak_flops * acc.num_processes)
+    micro_batches = len(learner.plan(batch, 1)[0].micros)
     if args.json and acc.is_main_process:
         out = {
             "config": args.config,
             "path": "unchunked" if args.unchunked else ("chunked+packed" if args.pack else "chunked"),
             "tokens": tokens,
             "rows": batch.num_samples,
-            "micro_batches": learner.num_microbatches[-1],
+            "micro_batches": micro_batches,
+            "compute_dtype": str(learner.compute_dtype).removeprefix("torch."),
+            "mfu": round(mfu, 4),
+            "peak_tflops": round(peak_flops / 1e12, 3),
             "peak_memory_gb": round(added / 2**30, 3),
             "tokens_per_s": round(tokens * args.updates / seconds, 1),
             "seconds_per_update": round(seconds / args.updates, 3),
@@ -245,7 +260,8 @@ def main() -> None:
     if acc.is_main_process:
         print(
             f"model {args.config} ({n_params / 1e6:.1f}M params), {acc.num_processes} process(es) on "
-            f"{learner.device.type}, dtype {args.dtype}, micro-batches per update {learner.num_microbatches[-1]}"
+            f"{learner.device.type}, dtype {args.dtype}, compute {learner.compute_dtype}, "
+            f"micro-batches per update {micro_batches}"
         )
         print(
             f"batch: {args.samples} x (prompt <= {args.prompt_len} + response <= {args.response_len}), {tokens} real tokens"
@@ -254,6 +270,7 @@ def main() -> None:
             f"learner tokens/s: {tokens * args.updates / seconds:,.0f} (wall), {sum(reported) / len(reported):,.0f} (reported)"
         )
         print(f"seconds per update: {seconds / args.updates:.3f}")
+        print(f"MFU: {100 * mfu:.1f}% of {peak_flops / 1e12:.3f} TFLOP/s per device ({peak_source})")
         print(f"peak memory: {peak}")
 
 
