@@ -50,14 +50,13 @@ from rlkit.plots import plot_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.timing import Timers, peak_memory_gb
+from rlkit.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Trainer", "WeightSyncError", "check_config", "run"]
+
 MODES = ("sync", "async")  # trainer.mode
-
-
-class WeightSyncError(RuntimeError):
-    """The rollout engine's weights differ from the learner's (the weight push did not happen)."""
 
 
 def check_config(cfg: RLConfig) -> None:
@@ -250,6 +249,8 @@ class Trainer:
             max(metrics["learner/seconds"], 1e-9) * devices
         )
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
+        if "verify_seconds" in push_stats:
+            metrics["timing/verify_push_s"] = push_stats["verify_seconds"]
         metrics["perf/peak_memory_gb"] = peak_memory_gb()
         if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
             for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):

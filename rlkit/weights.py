@@ -20,6 +20,7 @@ Across processes (trainer.mode=async), `send_weights` broadcasts the same stream
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -86,6 +87,10 @@ def iter_full_parameters(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]
     for name, tensor in exported(module):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name, full.detach()
+
+
+class WeightSyncError(RuntimeError):
+    """The rollout engine's weights differ from the learner's (the weight push did not happen, or not whole)."""
 
 
 class WeightManifestError(ValueError):
@@ -276,3 +281,67 @@ def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) 
         for _ in tensors:  # drain
             pass
         raise
+
+
+# -- verifying a push: what the engine holds, tensor by tensor ---------------------------------------------
+
+# vLLM stacks these projections of the checkpoint into one parameter (its Llama / Qwen2 / Mistral models).
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def digest(tensor: Tensor) -> str:
+    """sha256 of a tensor's bytes (vLLM's `compute_weight_checksums` digest)."""
+    flat = tensor.detach().cpu().contiguous().view(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+
+def engine_sources(
+    engine_names: Iterable[str], manifest: Manifest, aliases: dict[str, str]
+) -> dict[str, list[str]]:
+    """{engine parameter: the learner tensors it is built from} for an engine that stacks projections (vLLM);
+    `aliases` maps an engine name to the learner name it copies (a tied head). Parameters with no learner
+    source (an engine's own buffers) are left out."""
+    out = {}
+    for name in engine_names:
+        candidates = [aliases.get(name, name)]
+        for packed, parts in PACKED.items():
+            if f".{packed}." in name:
+                candidates = [name.replace(f".{packed}.", f".{p}.") for p in parts]
+        sources = [c for c in candidates if c in manifest]
+        if sources:
+            out[name] = sources
+    return out
+
+
+def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
+    """Check, tensor by tensor, that the engine holds what the learner exported; every rank calls it (the
+    export's gathers are collectives). Returns the digests to pass as `previous` to the next check.
+
+    An engine that keeps the checkpoint's layout (HF: `engine.digest_sources()` is None) must hold every
+    exported tensor exactly (cast to its dtype). One that stacks and repacks them (vLLM on CPU repacks linear
+    weights) is checked by change: every engine parameter built from a learner tensor that changed since the
+    previous check must have changed too, so a push that delivered nothing, or dropped tensors, is caught
+    whatever the learning rate. A mismatch raises `WeightSyncError` naming the tensor.
+    """
+    dtype = engine.weight_dtype
+    learner = {name: digest(t.to(dtype)) for name, t in export.tensors()}
+    held = engine.weight_digests()
+    sources = engine.digest_sources()
+    if sources is None:
+        wrong = [n for n, d in learner.items() if held.get(n) != d]
+        if wrong:
+            raise WeightSyncError(
+                f"after the weight push the {engine.name} engine does not hold the learner's {wrong[:3]} "
+                f"({len(wrong)} of {len(learner)} tensors differ): the push did not reach the engine whole"
+            )
+    elif previous is not None:
+        changed = {n for n, d in learner.items() if previous["learner"].get(n) != d}
+        stale = [
+            e for e, src in sources.items() if changed & set(src) and held.get(e) == previous["engine"].get(e)
+        ]
+        if stale:
+            raise WeightSyncError(
+                f"after the weight push the {engine.name} engine's {stale[:3]} ({len(stale)} tensors) did not "
+                "change although the learner's weights they are built from did: the push did not reach the engine"
+            )
+    return {"learner": learner, "engine": held}

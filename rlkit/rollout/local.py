@@ -13,6 +13,8 @@ trainers talk to it through the same calls:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rlkit.batch import ScoredBatch
@@ -23,7 +25,7 @@ from rlkit.rewards.model import RewardModel
 from rlkit.rollout.engines import make_engine
 from rlkit.rollout.producer import Producer, sampling_seed
 from rlkit.rundir import PENDING_FILE
-from rlkit.weights import Export, push_weights
+from rlkit.weights import Export, push_weights, verify_push
 
 
 class LocalRollouts:
@@ -61,6 +63,7 @@ class LocalRollouts:
             reward_model = RewardModel(
                 cfg.reward.model, device=device, batch_size=cfg.reward.model_batch_size, dtype=reward_dtype
             )
+        self.digests: dict | None = None  # of the last verified push (rlkit.weights.verify_push)
         self.producer = Producer(
             cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=rank, world=world,
             device=device, reward_model=reward_model, tokenizer=tokenizer,
@@ -71,15 +74,23 @@ class LocalRollouts:
         return self.engine.name
 
     def start(self, export: Export, step: int, *, evaluate: bool = False) -> None:
-        """A resumed run's engine was built from the initial weights: give it the checkpoint's."""
+        """A resumed run's engine was built from the initial weights: give it the checkpoint's. Either way the
+        engine's weights are checked against the learner's before the first step (`rollout.verify_push`)."""
         if step > 0:
             self.push(export, step)
+        elif self.cfg.rollout.verify_push:
+            self.digests = verify_push(export, self.engine)
 
     def produce(self, step: int, timers) -> ScoredBatch:
         return self.producer.produce(step, timers)
 
     def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
-        return push_weights(export, self.engine)
+        stats = push_weights(export, self.engine)
+        if self.cfg.rollout.verify_push:
+            start = time.perf_counter()
+            self.digests = verify_push(export, self.engine, self.digests)
+            stats = {**stats, "verify_seconds": time.perf_counter() - start}
+        return stats
 
     def evaluate(self, version: int) -> dict[str, float]:
         """pass@1 (and pass@k with rollout.eval_group_size = k > 1) on the held-out split; never masked.

@@ -18,7 +18,14 @@ import_vllm()
 
 from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
-from rlkit.weights import WeightManifestError, module_manifest  # noqa: E402
+from rlkit.weights import (  # noqa: E402
+    Export,
+    WeightManifestError,
+    WeightSyncError,
+    iter_full_parameters,
+    module_manifest,
+    verify_push,
+)
 
 
 def _untie(src: str, dst) -> str:
@@ -150,6 +157,29 @@ def test_push_perturbed_then_original_weights(case, prompts):
     again = engine.generate(prompts, 2, s)
     assert torch.equal(again.response_ids, first.response_ids)
     assert torch.equal(again.rollout_logprobs, first.rollout_logprobs)
+
+
+def test_verify_push_catches_a_push_that_never_arrived(case):
+    """vLLM keeps its own layout (stacked, repacked on CPU): a push is checked by change. Learner weights that
+    changed while the engine's did not is a WeightSyncError naming the tensors; the real push then passes."""
+    name, ckpt, engine, _ = case
+    model = load_causal_lm(ckpt)
+    export = Export(module_manifest(model), lambda: iter_full_parameters(model))
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = verify_push(export, engine)  # the engine loaded the same checkpoint: records the digests
+    assert engine.digest_sources(), "vLLM's parameters map to no learner tensor"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    with pytest.raises(WeightSyncError, match="did not change"):
+        verify_push(export, engine, before)  # nothing was pushed
+    engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
+    after = verify_push(export, engine, before)  # every engine tensor changed
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(original[n])
+    engine.load_weights(iter_full_parameters(model), manifest=export.manifest)  # leave the engine as it was
+    verify_push(export, engine, after)
 
 
 def test_a_push_failing_midway_leaves_an_engine_that_refuses_to_generate(case, prompts):

@@ -288,6 +288,31 @@ def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatc
         )
 
 
+@pytest.mark.parametrize("broken", ["nothing", "one_tensor"])
+def test_every_push_is_verified_at_the_defaults(tiny, tmp_path, monkeypatch, broken):
+    """The recipe's learning rate and the default threshold: a push that delivered nothing, or one tensor
+    wrong, is caught by the per-tensor sha256 check right after that push, naming the tensor."""
+    import rlkit.rollout.local
+    from rlkit.trainer import WeightSyncError
+    from rlkit.weights import Export, push_weights
+
+    def faulty(export, engine):
+        if broken == "nothing":
+            return {"bytes": 0, "seconds": 0.0}
+
+        def stream():
+            for name, tensor in export.tensors():
+                yield name, (tensor + 1.0 if name == "model.norm.weight" else tensor)
+
+        return push_weights(Export(export.manifest, stream), engine)
+
+    monkeypatch.setattr(rlkit.rollout.local, "push_weights", faulty)
+    args = [o for o in overrides(tiny, tmp_path / "w") if not o.startswith("trainer.lr")]  # the recipe's lr
+    match = "does not hold the learner's" + (" \\['model.norm.weight'\\]" if broken == "one_tensor" else "")
+    with pytest.raises(WeightSyncError, match=match):
+        run(load_config(compose(args)))
+
+
 def test_truncated_sampling_passes_the_weight_sync_check(tiny, tmp_path):
     """Issue 9 item 5: under top-p / top-k the learner scores the truncated distribution the engine
     sampled from, so a correct push gives mismatch/kl ~ 0 (it was 0.14 at top_p 0.8 before); the

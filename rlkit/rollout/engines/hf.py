@@ -22,7 +22,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from rlkit.batch import RolloutBatch
 from rlkit.models import load_causal_lm, load_tokenizer
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
-from rlkit.weights import PushGuard, check_manifest, module_manifest
+from rlkit.weights import PushGuard, check_manifest, digest, module_manifest
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,19 @@ class HFEngine:
                 params[name].copy_(tensor)
 
         return self._push_guard.run(copy, named_tensors, self.manifest)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of every tensor of the push manifest as this engine holds it (rlkit.weights.verify_push)."""
+        params = self.model.state_dict()
+        return {name: digest(params[name]) for name in self.manifest}
+
+    def digest_sources(self) -> None:
+        """None: this engine holds the checkpoint's layout, so a push is checked tensor for tensor."""
+        return None
 
     def sleep(self) -> None:
         """Move the model off the GPU while the learner trains (nothing to free on CPU)."""

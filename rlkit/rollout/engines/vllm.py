@@ -36,7 +36,14 @@ from rlkit.batch import RolloutBatch
 from rlkit.collectives import free_port
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
-from rlkit.weights import PushGuard, check_manifest, clean_param_name, module_manifest, tied_aliases
+from rlkit.weights import (
+    PushGuard,
+    check_manifest,
+    clean_param_name,
+    engine_sources,
+    module_manifest,
+    tied_aliases,
+)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +118,9 @@ def vllm_weight_name(hf_name: str) -> str:
     """
     return clean_param_name(hf_name)
 
+
+# Linear layers vLLM's CPU backend repacks after loading (their parameters' digests do not follow a push).
+_REPACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -288,6 +298,9 @@ class VLLMEngine:
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
             del meta
             self._push_guard = PushGuard(self.name)
+            self._sources = None
+            self.on_cpu = on_cpu
+            self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
             directory, gguf_file = resolve_model(model_path)
             self.tokenizer = load_tokenizer(model_path)
@@ -406,6 +419,34 @@ class VLLMEngine:
             # After a push woke the weights, only the KV cache (and the scheduler) remain asleep.
             self.llm.wake_up(tags=["kv_cache", "scheduling"] if self._weights_awake else None)
             self._asleep = False
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def weight_digests(self) -> dict[str, str]:
+        """vLLM's own sha256 of every parameter as its worker holds it (stacked, repacked on CPU), by name."""
+        digests = {}
+        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+            digests.update({name.split(":")[-1]: d for name, d in worker.items()})
+        return digests
+
+    def digest_sources(self) -> dict[str, list[str]]:
+        """{vLLM parameter: the pushed tensors it is built from}: a push is checked by change (rlkit.weights).
+
+        On CPU vLLM repacks every linear layer's weight into its kernel format after loading and the
+        parameter its digest reads stays as loaded the first time (measured: after a push of changed weights
+        the embedding's and every norm's digests change, the projections' do not), so on CPU the check covers
+        the embedding and the norms; the log-prob check (`rollout.weight_sync_kl_threshold`) covers the rest."""
+        if self._sources is None:
+            tied = {alias: name for name, aliases in self._aliases.items() for alias in aliases}
+            sources = engine_sources(self.weight_digests(), self.manifest, tied)
+            if self.on_cpu:
+                sources = {
+                    e: s for e, s in sources.items() if not any(f".{k}." in f".{e}" for k in _REPACKED)
+                }
+            self._sources = sources
+        return self._sources
 
     def close(self) -> None:
         """Drop the engine and vLLM's parallel groups (and the process group vLLM itself created),
