@@ -205,6 +205,7 @@ BAD = [
     ("rollout.temperature", 0, ["rollout.temperature=0 (greedy) cannot train"]),
     ("rollout.stop", [""], ["rollout.stop=['']: a stop string must be non-empty"]),
     ("rollout.return_logprobs", "maybe", ["rollout.return_logprobs", "maybe"]),
+    ("rollout.verify_push", "maybe", ["rollout.verify_push", "maybe"]),
     ("rollout.seed_per_prompt", "maybe", ["rollout.seed_per_prompt", "maybe"]),
     (
         "rollout.engine_kwargs",

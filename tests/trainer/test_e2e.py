@@ -283,6 +283,7 @@ def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatc
             tmp_path / "w",
             "trainer.lr=0.05",
             "rollout.weight_sync_kl_threshold=1e-3",
+            "rollout.verify_push=false",  # the log-prob check alone (the digests are tested below)
             f"rollout.mismatch_samples={mismatch_samples}",
             *truncation,
         )
