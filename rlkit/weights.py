@@ -240,9 +240,13 @@ def _finished(stats: dict, start: float) -> dict[str, float]:
 # -- across processes (trainer.mode=async: rlkit/rollout/remote/) ------------------------------------
 
 
-def send_weights(pg, export: Export, dtype: torch.dtype, *, is_main: bool, device) -> dict[str, float]:
+def send_weights(
+    pg, export: Export, dtype: torch.dtype, *, is_main: bool, device, digests: dict | None = None
+) -> dict[str, float]:
     """Broadcast the learner's `export` from learner rank 0 (root of `pg`), cast to `dtype`, in the order of
-    its manifest; every learner rank must call it (FSDP2 gathers each parameter on all ranks)."""
+    its manifest; every learner rank must call it (FSDP2 gathers each parameter on all ranks). With a
+    `digests` dict, rank 0 fills it with each sent tensor's sha256 (what the workers check their engines
+    against: `check_engine`)."""
     names = list(export.manifest)
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
@@ -257,6 +261,8 @@ def send_weights(pg, export: Export, dtype: torch.dtype, *, is_main: bool, devic
                 f"weight push: the learner yielded {name!r} where the manifest has "
                 f"{names[i] if i < len(names) else 'nothing more'!r}; the workers receive in manifest order"
             )
+        if digests is not None:
+            digests[name] = digest(tensor)
         pg.broadcast(tensor.detach().to(device).contiguous(), 0).wait()
     return _finished(stats, start)
 
@@ -314,22 +320,27 @@ def engine_sources(
 
 
 def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
-    """Check, tensor by tensor, that the engine holds what the learner exported; every rank calls it (the
-    export's gathers are collectives). Returns the digests to pass as `previous` to the next check.
+    """Check, tensor by tensor, that the engine holds what the learner exported (`check_engine`); every rank
+    calls it (the export's gathers are collectives). Returns the digests to pass as `previous` next time."""
+    dtype = engine.weight_dtype
+    return check_engine({name: digest(t.to(dtype)) for name, t in export.tensors()}, engine, previous)
+
+
+def check_engine(learner: dict[str, str], engine, previous: dict | None = None) -> dict:
+    """Compare the sha256 of the learner's tensors (`learner`, cast to the engine's dtype) with what the engine
+    holds. Returns the digests to pass as `previous` to the next check.
 
     An engine that keeps the checkpoint's layout (HF: `engine.digest_sources()` is None) must hold every
-    exported tensor exactly (cast to its dtype). One that stacks and repacks them (vLLM on CPU repacks linear
-    weights) is checked by change: every engine parameter built from a learner tensor that changed since the
-    previous check must have changed too, so a push that delivered nothing, or dropped tensors, is caught
-    whatever the learning rate. A mismatch raises `WeightSyncError` naming the tensor.
+    exported tensor exactly. One that stacks and repacks them (vLLM) is checked by change: every engine
+    parameter built from a learner tensor that changed since the previous check must have changed too, so a
+    push that delivered nothing, or dropped tensors, is caught whatever the learning rate. A mismatch raises
+    `WeightSyncError` naming the tensor.
     """
-    dtype = engine.weight_dtype
-    learner = {name: digest(t.to(dtype)) for name, t in export.tensors()}
     held = engine.weight_digests()
     sources = engine.digest_sources()
     if sources is None:
         wrong = [n for n, d in learner.items() if held.get(n) != d]
-        if wrong:
+        if wrong or not learner:
             raise WeightSyncError(
                 f"after the weight push the {engine.name} engine does not hold the learner's {wrong[:3]} "
                 f"({len(wrong)} of {len(learner)} tensors differ): the push did not reach the engine whole"

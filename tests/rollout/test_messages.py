@@ -101,7 +101,7 @@ def test_a_long_traceback_is_cut_in_the_middle_to_fit_an_empty_pipe():
 
 
 def test_a_message_for_the_other_side_or_of_an_unknown_type_is_refused():
-    with pytest.raises(MessageError, match="expected one of Push, Grant, Stop"):
+    with pytest.raises(MessageError, match="expected one of Push, Digests, Grant, Stop"):
         loads(dumps(Ready(0)), TO_WORKER)
     buf = io.BytesIO()
     torch.save({"__type__": "Shutdown", "now": True}, buf)

@@ -342,3 +342,14 @@ def test_a_crafted_pending_file_is_refused_on_resume_and_never_run(tiny, tmp_pat
         train(tiny, tmp_path / "c", "trainer.steps=2", *ASYNC)
     assert "never unpickled" in str(info.value)
     assert not marker.exists()
+
+
+def test_a_push_that_never_reaches_the_worker_engine_is_caught(tiny, tmp_path):
+    """rollout.verify_push in async mode: the learner sends the sha256 of every tensor it broadcast, and the
+    worker checks its engine against them after every push. A worker whose pushes are dropped (the reward
+    module's import patches its receive path) fails at the first push that changed the weights, naming the
+    tensors; the learner reports that worker's error."""
+    with pytest.raises(
+        RuntimeError, match=r"rollout worker 0 failed:(.|\n)*WeightSyncError(.|\n)*does not hold"
+    ):
+        train(tiny, tmp_path / "a", *ASYNC, "reward.fn=rlkit_test_faulty_push:reward", "trainer.steps=3")

@@ -55,6 +55,7 @@ from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.remote.messages import (
     TO_LEARNER,
     BatchShare,
+    Digests,
     EvalResult,
     Grant,
     Pending,
@@ -291,12 +292,19 @@ class AsyncRollouts:
             if evaluate:
                 self.eval_requested.add(version)
         send_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        digests = {} if self.cfg.rollout.verify_push and self.is_main else None
         try:
-            return send_weights(self.pg, export, self.dtype, is_main=self.is_main, device=send_device)
+            stats = send_weights(
+                self.pg, export, self.dtype, is_main=self.is_main, device=send_device, digests=digests
+            )
         except Exception:
             if self.is_main:  # a dead worker breaks the broadcast: name it rather than the transport
                 self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
             raise
+        if digests is not None:  # each worker checks its engine against what was sent
+            for q in self.ctrl:
+                q.put(dumps(Digests(version, digests)))
+        return stats
 
     def evaluate(self, version: int) -> dict[str, float]:
         """The workers' eval of version `version` (requested with its push)."""

@@ -2,7 +2,7 @@
 pending batch of a checkpoint, and their tensors-only encoding.
 
 Messages are small frozen dataclasses, never positional tuples. Learner -> worker (one control queue per
-worker): `Push`, `Grant`, `Stop`. Worker -> learner (one results queue): `Ready`, `BatchShare`,
+worker): `Push`, `Digests`, `Grant`, `Stop`. Worker -> learner (one results queue): `Ready`, `BatchShare`,
 `EvalResult`; and a failing worker's `WorkerError` on its own one-way pipe, written synchronously before
 it exits and bounded (`worker_error`) to fit an empty pipe's buffer, so it arrives whether or not the
 learner is reading and whatever is still queued on the results queue.
@@ -55,6 +55,15 @@ class Grant:
     """Generate `count` more batches with the weights held now."""
 
     count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Digests:
+    """The sha256 of every tensor of push `version` as the learner sent it: check the engine against them
+    (`rollout.verify_push`; sent right after the push's broadcast)."""
+
+    version: int
+    digests: dict[str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +124,7 @@ def worker_error(worker: int, text: str) -> WorkerError:
     return WorkerError(worker, text)
 
 
-TO_WORKER = (Push, Grant, Stop)
+TO_WORKER = (Push, Digests, Grant, Stop)
 TO_LEARNER = (Ready, BatchShare, EvalResult)
 MESSAGES = (*TO_WORKER, *TO_LEARNER, WorkerError)
 

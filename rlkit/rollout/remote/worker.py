@@ -22,6 +22,7 @@ from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.messages import (
     TO_WORKER,
     BatchShare,
+    Digests,
     EvalResult,
     Grant,
     Push,
@@ -33,7 +34,7 @@ from rlkit.rollout.remote.messages import (
 )
 from rlkit.rollout.remote.wire import bridge
 from rlkit.timing import Timers
-from rlkit.weights import receive_weights
+from rlkit.weights import check_engine, receive_weights
 
 # Launcher variables a worker must not inherit from learner rank 0 (it is rank r of its own world).
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -109,6 +110,7 @@ def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, devi
     """Generate the granted batches and follow the control messages until `Stop`."""
     dtype = torch_dtype(rollouts.cfg.model.dtype)  # the engine's; pushes arrive in it
     version, credits, index = -1, 0, start["index"]
+    checked = None  # the digests of the last verified push (rlkit.weights.check_engine)
     while True:
         if credits:
             # A granted batch, generated with the weights held now (the schedule in schedule.py).
@@ -122,6 +124,13 @@ def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, devi
         if isinstance(msg, Push):
             version = msg.version
             receive_weights(pg, rollouts.engine, msg.manifest, dtype, device)
+            if rollouts.cfg.rollout.verify_push:  # the learner's digests of this push come next
+                sent = _control(ctrl, start["parent"])
+                if not isinstance(sent, Digests) or sent.version != version:
+                    raise RuntimeError(
+                        f"rollout worker {r}: expected the digests of push {version}, got {sent!r}"
+                    )
+                checked = check_engine(sent.digests, rollouts.engine, checked)
             if msg.evaluate:
                 metrics = rollouts.evaluate(version)
                 if r == 0:
