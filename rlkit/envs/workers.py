@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from rlkit.envs import make_env
 from rlkit.envs.base import check_messages, check_step
-from rlkit.rewards.scorer import die_with_parent
+from rlkit.rewards.scorer import die_with_parent, serve_requests
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +93,7 @@ def _worker_main(conn, spec: str, kwargs: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(os.getppid())  # the fork server, which exits when the trainer does
     envs: dict = {}
-    conn.send("ready")
-    while True:
-        try:
-            call = conn.recv()
-        except (EOFError, OSError):
-            return
-        if call is None:
-            return
-        conn.send(serve(envs, call, spec, kwargs))
+    serve_requests(conn, lambda call: serve(envs, call, spec, kwargs))
 
 
 class _Worker:

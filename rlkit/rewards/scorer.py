@@ -52,15 +52,21 @@ def _worker_main(conn, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(parent_pid)
     _init_worker()
+    serve_requests(conn, lambda task: call_reward(*task))
+
+
+def serve_requests(conn, handle) -> None:
+    """A worker process's loop (reward and environment workers): say "ready", then answer each request on
+    `conn` with `handle(request)` until a None request or the pipe closes."""
     conn.send("ready")
     while True:
         try:
-            task = conn.recv()
+            request = conn.recv()
         except (EOFError, OSError):
             return
-        if task is None:
+        if request is None:
             return
-        conn.send(call_reward(*task))
+        conn.send(handle(request))
 
 
 class _Worker:
