@@ -27,6 +27,7 @@ from rlkit.config.rules import local_path_exists, parse
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
 from rlkit.rollout import engines, producer
+from rlkit.rollout.remote import client
 from rlkit.trainer import run
 
 __all__ = ["compose", "load_config", "main", "preflight"]
@@ -43,7 +44,7 @@ def preflight(cfg: RLConfig) -> None:
     local_path_exists("model.path", cfg.model.path)
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
-        producer.check_config, trainer.check_config, envs.check_config, producer.check_inputs,
+        producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
     ):  # fmt: skip
         check(cfg)
 

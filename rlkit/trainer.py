@@ -39,7 +39,7 @@ from rlkit.algos import correction, kl
 from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
-from rlkit.config.schema import ConfigError, RLConfig, TrainerConfig, to_dict
+from rlkit.config.schema import ConfigError, RLConfig, to_dict
 from rlkit.flops import device_peak
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
@@ -60,8 +60,9 @@ MODES = ("sync", "async")  # trainer.mode
 
 
 def check_config(cfg: RLConfig) -> None:
-    """The keys the loop owns: trainer.mode (and async's), run_dir, resume (raises ConfigError)."""
-    t, r = cfg.trainer, cfg.rollout
+    """The keys the loop owns: trainer.mode, run_dir, resume (raises ConfigError); the async keys are checked
+    by rlkit/rollout/remote/client.py."""
+    t = cfg.trainer
     choice("trainer.mode", t.mode, MODES)
     nonempty("trainer.run_dir", t.run_dir)
     if Path(t.run_dir).expanduser().is_file():
@@ -70,37 +71,6 @@ def check_config(cfg: RLConfig) -> None:
         raise ConfigError(
             f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"
         )
-    if t.max_staleness > t.steps:
-        raise ConfigError(
-            f"trainer.max_staleness={t.max_staleness} exceeds trainer.steps={t.steps}: no batch of the run can be "
-            f"that stale; use at most {t.steps} (1 = one-step-off-policy)"
-        )
-    if t.mode != "async":
-        defaults = TrainerConfig()
-        for key in ("max_staleness", "rollout_gpus"):
-            if getattr(t, key) != getattr(defaults, key):
-                log.warning(
-                    "trainer.%s=%s has no effect with trainer.mode=%r (it is an async key): did you mean "
-                    "trainer.mode=async?", key, getattr(t, key), t.mode,
-                )  # fmt: skip
-        return
-    if t.train_batch_size % (r.group_size * t.rollout_gpus):
-        raise ConfigError(
-            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x "
-            f"trainer.rollout_gpus = {r.group_size} x {t.rollout_gpus} (each rollout worker samples whole groups)"
-        )
-    if t.device != "cpu":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus and gpus <= t.rollout_gpus:
-            raise ConfigError(
-                f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
-                f"use at most {gpus - 1}"
-            )
-    if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
-        log.warning(
-            "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
-            "are trained without the behaviour-policy correction of decoupled PPO", t.max_staleness,
-        )  # fmt: skip
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from rlkit.batch import ScoredBatch
 from rlkit.collectives import free_port
-from rlkit.config.schema import to_dict
+from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.remote.messages import (
     TO_LEARNER,
@@ -336,3 +336,40 @@ class AsyncRollouts:
         path = Path(directory) / PENDING_FILE
         if self.is_main and path.exists():
             self.pending = deque(load_pending(path))
+
+
+def check_config(cfg) -> None:
+    """The async keys: `trainer.max_staleness`, `trainer.rollout_gpus` (raises ConfigError; warns about an async
+    key set in sync mode)."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.max_staleness > t.steps:
+        raise ConfigError(
+            f"trainer.max_staleness={t.max_staleness} exceeds trainer.steps={t.steps}: no batch of the run can be "
+            f"that stale; use at most {t.steps} (1 = one-step-off-policy)"
+        )
+    if t.mode != "async":
+        defaults = TrainerConfig()
+        for key in ("max_staleness", "rollout_gpus"):
+            if getattr(t, key) != getattr(defaults, key):
+                log.warning(
+                    "trainer.%s=%s has no effect with trainer.mode=%r (it is an async key): did you mean "
+                    "trainer.mode=async?", key, getattr(t, key), t.mode,
+                )  # fmt: skip
+        return
+    if t.train_batch_size % (r.group_size * t.rollout_gpus):
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x "
+            f"trainer.rollout_gpus = {r.group_size} x {t.rollout_gpus} (each rollout worker samples whole groups)"
+        )
+    if t.device != "cpu":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus and gpus <= t.rollout_gpus:
+            raise ConfigError(
+                f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
+                f"use at most {gpus - 1}"
+            )
+    if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
+        log.warning(
+            "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
+            "are trained without the behaviour-policy correction of decoupled PPO", t.max_staleness,
+        )  # fmt: skip
