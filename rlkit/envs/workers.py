@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from rlkit.envs import make_env
 from rlkit.envs.base import check_messages, check_step
-from rlkit.rewards.scorer import die_with_parent, serve_requests
+from rlkit.rewards.scorer import die_with_parent, read_reply, serve_requests
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +190,7 @@ class EnvWorkers:
                     pass
 
     def _receive(self, w: _Worker, results: dict) -> None:
-        try:
-            message = w.conn.recv() if w.conn.poll() else None
-        except (EOFError, OSError):
-            message = None
+        message = read_reply(w.conn)
         if message is None:  # the sentinel fired or the pipe broke: the worker is dead
             w.proc.join(timeout=10)
             self._lose(w, f"its worker died (exit code {w.proc.exitcode})", results)

@@ -55,6 +55,14 @@ def _worker_main(conn, parent_pid: int) -> None:
     serve_requests(conn, lambda task: call_reward(*task))
 
 
+def read_reply(conn):
+    """A worker's next message, or None when it is dead (its sentinel fired or its pipe broke)."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
 def serve_requests(conn, handle) -> None:
     """A worker process's loop (reward and environment workers): say "ready", then answer each request on
     `conn` with `handle(request)` until a None request or the pipe closes."""
@@ -246,10 +254,7 @@ class RewardScorer:
             fired = {handles[h] for h in mp_connection.wait(list(handles), timeout=timeout)}
             for w in list(self._workers):
                 if w in fired:
-                    try:
-                        message = w.conn.recv() if w.conn.poll() else None
-                    except (EOFError, OSError):
-                        message = None
+                    message = read_reply(w.conn)
                     if message is None:  # the sentinel fired or the pipe broke: the worker is dead
                         w.proc.join(timeout=10)
                         replace(w, f"crashed (worker exit code {w.proc.exitcode})")
