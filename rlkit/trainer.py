@@ -5,8 +5,9 @@
                    (1-2 are the rollout half: `self.rollouts.produce`, in this process with
                    trainer.mode=sync, in rollout worker processes with trainer.mode=async)
     3 logprobs     learner.forward: current policy (mismatch metrics, IS, off-policy ratio),
-                   reference (KL), values (PPO)
-    4 advantages   the registered estimator of rlkit.algos.advantages (+ zero-std group masking)
+                   reference (KL), values (PPO); `teacher`: the distillation teacher's (algo.distill_coef)
+    4 advantages   the registered estimator of rlkit.algos.advantages (+ zero-std group masking),
+                   plus the distillation term of rlkit.algos.distill
     5 correction   rlkit.algos.correction.rollout_is + mismatch metrics
     6 update       learner.update(TrainBatch)
     7 weight push  self.rollouts.push(learner.export()) (+ the weight-sync check at the first steps)
@@ -35,7 +36,7 @@ import torch
 
 from rlkit import rundir
 from rlkit.algos import advantages as adv
-from rlkit.algos import correction, kl
+from rlkit.algos import correction, distill, kl
 from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
@@ -112,6 +113,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.group_size = cfg.rollout.group_size
+        self.distill = cfg.algo.distill_coef > 0  # on-policy distillation from algo.teacher
         self.learner = Learner(cfg, self.accelerator)
         self.device = self.learner.device
         # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
@@ -185,8 +187,16 @@ class Trainer:
         token_metrics = MetricMerger()
         with timers("logprobs"):
             scored = self._score(rb, mask, token_metrics)
+        teacher_logp = None
+        if self.distill:
+            with timers("teacher"):
+                teacher_logp = self.learner.forward(rb, policy=False, teacher=True).teacher_logprobs.to(
+                    self.device
+                )
         with timers("advantages"):
-            advantages, returns, zero_std, loss_mask = self._advantages(produced, mask, scored)
+            advantages, returns, zero_std, loss_mask = self._advantages(
+                produced, mask, scored, teacher_logp, token_metrics
+            )
         with timers("correction"):
             is_weights, loss_mask = self._correction(rb, mask, loss_mask, scored, token_metrics)
         with timers("update"):
@@ -201,6 +211,10 @@ class Trainer:
             produced, mask, zero_std, staleness=staleness, world=self.world, device=self.device
         )
         stats.update(token_metrics.compute())
+        if self.distill:  # the share of the advantage's magnitude that comes from the teacher
+            stats["distill/teacher_share"] = distill.teacher_share(
+                stats["distill/adv_abs"], stats["distill/task_adv_abs"]
+            )
         stats.update(update_metrics)
         metrics = to_host(stats)
         tokens = metrics.pop("gen_tokens")
@@ -235,7 +249,7 @@ class Trainer:
         scored here for the mismatch metrics that prove the weight push happened."""
         a = self.cfg.algo
         need_ref = a.kl_coef > 0
-        whole = a.rollout_is.enabled or self.learner.off_policy or need_ref or a.value_model
+        whole = a.rollout_is.enabled or self.learner.off_policy or need_ref or a.value_model or self.distill
         scored = rb.num_samples
         if not whole and self.cfg.rollout.mismatch_samples > 0:
             scored = min(self.cfg.rollout.mismatch_samples, rb.num_samples)
@@ -251,9 +265,12 @@ class Trainer:
         token_metrics.add({"rollout/entropy": _masked_mean(lp.entropy.to(self.device), probe)}, probe.sum())
         return Scored(logp, probe, lp, kl_tok)
 
-    def _advantages(self, produced: ScoredBatch, mask, scored: Scored):
-        """4. advantages from the registered estimator; the loss mask without zero-std groups and, with
-        `algo.overlong_filter`, without responses cut by the length cap."""
+    def _advantages(
+        self, produced: ScoredBatch, mask, scored: Scored, teacher_logp, token_metrics: MetricMerger
+    ):
+        """4. advantages from the registered estimator, plus the distillation term when there is a teacher
+        (rlkit/algos/distill.py); the loss mask without zero-std groups (not with distillation: its term is
+        informative in every group) and, with `algo.overlong_filter`, without responses cut by the length cap."""
         a, rb = self.cfg.algo, produced.rollout
         rewards = produced.rewards.to(self.device)
         inputs = adv.AdvantageInputs(
@@ -263,8 +280,16 @@ class Trainer:
             global_sum=(lambda x: all_reduce(x, self.world, self.device)) if self.world > 1 else None,
         )  # fmt: skip
         advantages, returns = adv.estimate(a.adv_estimator, inputs, a)
+        if teacher_logp is not None:
+            d = distill.distill_advantages(scored.logp, teacher_logp, mask, gamma=a.distill_gamma)
+            parts = (a.task_coef * advantages, a.distill_coef * d)
+            token_metrics.add(distill.distill_metrics(scored.logp, teacher_logp, *parts, mask), mask.sum())
+            advantages = distill.combine(
+                advantages, d, mask, task_coef=a.task_coef, distill_coef=a.distill_coef
+            )
         zero_std = adv.zero_std_groups(rewards, self.group_size)
-        loss_mask = mask & ~zero_std[:, None] if a.mask_zero_std_groups else mask
+        masking = a.mask_zero_std_groups and not self.distill
+        loss_mask = mask & ~zero_std[:, None] if masking else mask
         if a.overlong_filter:
             # Responses cut by the length cap leave the loss (their reward judges an unfinished answer).
             cut = torch.tensor([f == "length" for f in rb.finish_reasons], device=self.device)

@@ -168,6 +168,15 @@ class RolloutISConfig:
 
 
 @dataclass
+class TeacherConfig:
+    path: Optional[str] = None
+    """On-policy distillation's teacher: any model model.path accepts (hub id, local dir, smollm2-135m, a
+    checkpoint's model/ dir); its tokenizer must equal the policy's. Loaded only when algo.distill_coef > 0."""
+    dtype: str = "auto"
+    """auto (the learner's compute dtype, like the reference model) | float32 | bfloat16."""
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"
     """Label for logs only (grpo, dr_grpo, ppo, ...)."""
@@ -176,7 +185,8 @@ class AlgoConfig:
     norm_by_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
     mask_zero_std_groups: bool = True
-    """Remove groups whose rewards are all equal from the training loss (never in eval)."""
+    """Remove groups whose rewards are all equal from the training loss (never in eval; not with distillation,
+    whose term is informative in every group)."""
     policy_loss: str = "ppo_clip"
     """ppo_clip | gspo | cispo."""
     clip_low: float = 0.2
@@ -227,6 +237,17 @@ class AlgoConfig:
     """Refill: at most this many generation batches per step; then train on what there is (warning)."""
     overlong_filter: bool = False
     """Take responses cut by rollout.max_new_tokens (finish reason `length`) out of the loss mask."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation's teacher model (algo.distill_coef > 0)."""
+    distill_coef: float = 0.0
+    """On-policy distillation: per-token advantage = task_coef x task advantage + distill_coef x
+    -(log p_policy - log p_teacher) of each sampled token (rlkit/algos/distill.py; 0 = off, no teacher loaded)."""
+    distill_gamma: float = 0.0
+    """Discount of the distillation term over later tokens: 0 = each token's own reverse KL (the default), 1 =
+    the sum of the rest of the response's (the sequence-level reverse KL's score-function gradient)."""
+    task_coef: float = 1.0
+    """Weight of the task reward's advantage (0 with distill_coef > 0 = pure distillation; rewards are still
+    scored, logged and used by the evaluation)."""
 
 
 @dataclass

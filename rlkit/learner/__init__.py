@@ -1,19 +1,21 @@
 """The learner: strategy (accelerate: FSDP2 / DDP / none), batching (micro-batches, packing), log-probs
-(chunked head), loss assembly, optimizer step, LoRA and checkpoint I/O; learner.py is the facade.
+(chunked head), loss assembly, optimizer step, LoRA, the distillation teacher and checkpoint I/O; learner.py is the facade.
 
 It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the weights leave as an
 `rlkit.weights.Export`.
 """
 
-from rlkit.learner import lora, optim, strategy
+from rlkit.learner import lora, optim, strategy, teacher
 from rlkit.learner.learner import Learner, LogProbs
 
 __all__ = ["Learner", "LogProbs", "check_config"]
 
 
 def check_config(cfg) -> None:
-    """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule, model.lora.*)."""
+    """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule, model.lora.*, the
+    distillation teacher)."""
 
     strategy.check_config(cfg)
     optim.check_config(cfg)
     lora.check_config(cfg)
+    teacher.check_config(cfg)

@@ -19,8 +19,10 @@ by the world size, so the accumulated gradient equals the gradient of the full-b
 
 Models: the policy is any causal LM transformers loads (through `rlkit.models`); the frozen reference
 (only when `algo.kl_coef > 0`) is a second copy of the initial policy in the compute dtype, sharded like
-the policy under FSDP2 (a full copy per rank otherwise; with LoRA the policy with adapters off); the PPO
-critic (`algo.value_model`) is `AutoModelForTokenClassification` with one label on the same checkpoint.
+the policy under FSDP2 (a full copy per rank otherwise; with LoRA the policy with adapters off); the
+distillation teacher (only when `algo.distill_coef > 0`, rlkit/learner/teacher.py) is prepared the same way
+from `algo.teacher.path`; the PPO critic (`algo.value_model`) is `AutoModelForTokenClassification` with one
+label on the same checkpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch import Tensor
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
 from rlkit.flops import ModelShape, sequence_flops
-from rlkit.learner import checkpoint, optim
+from rlkit.learner import checkpoint, optim, teacher
 from rlkit.learner.batching import (
     Micro,
     MiniBatch,
@@ -66,6 +68,7 @@ class LogProbs:
 
     logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
     values: Tensor | None = None
     entropy: Tensor | None = None
 
@@ -122,6 +125,10 @@ class Learner:
             self.ref_model = self._prepare_frozen(
                 load_causal_lm(m.path, dtype=self.compute_dtype, device="cpu")
             )
+        self.teacher = None  # on-policy distillation's teacher: frozen, never the policy with adapters off
+        if teacher.enabled(cfg):
+            dtype = teacher.torch_dtype(cfg, self.compute_dtype)
+            self.teacher = self._prepare_frozen(load_causal_lm(a.teacher.path, dtype=dtype, device="cpu"))
 
         self.model, self.optimizer = acc.prepare(policy, optim.adamw(policy, t))
         self.scheduler = optim.scheduler(self.optimizer, t, self.total_steps)
@@ -163,12 +170,19 @@ class Learner:
         return critic_values(self.value_model, inp)
 
     @torch.no_grad()
-    def forward(self, batch, *, policy: bool = True, ref: bool = False, values: bool = False) -> LogProbs:
+    def forward(
+        self, batch, *, policy: bool = True, ref: bool = False, values: bool = False, teacher: bool = False
+    ) -> LogProbs:
         """Score a RolloutBatch, TrainBatch or Sequences (prompt_ids/prompt_mask/response_ids/response_mask).
 
         Returns detached [N, T] float32 tensors, 0 where `response_mask` is False. Every rank must call
-        it (FSDP all-gathers inside); `ref=True` needs `algo.kl_coef > 0`, `values=True` needs a critic.
+        it (FSDP all-gathers inside); `ref=True` needs `algo.kl_coef > 0`, `values=True` needs a critic,
+        `teacher=True` needs `algo.distill_coef > 0`.
         """
+        if teacher and self.teacher is None:
+            raise ValueError(
+                "forward(teacher=True) needs a teacher; it is loaded only when algo.distill_coef > 0"
+            )
         if ref and self.ref_model is None and not self.lora:
             raise ValueError(
                 "forward(ref=True) needs a reference model; it is loaded only when algo.kl_coef > 0"
@@ -177,7 +191,9 @@ class Learner:
             raise ValueError("forward(values=True) needs a critic; set algo.value_model=true")
         rows = Sequences.of(batch)
         n, t_full = rows.response_ids.shape
-        wanted = {"logprobs": policy, "entropy": policy, "ref_logprobs": ref, "values": values}
+        wanted = {
+            "logprobs": policy, "entropy": policy, "ref_logprobs": ref, "values": values, "teacher_logprobs": teacher,
+        }  # fmt: skip
         out = {k: torch.zeros(n, t_full, device=self.device) for k, on in wanted.items() if on}
         t = self.cfg.trainer
         micros = microbatches(rows, t.max_tokens_per_microbatch, packed=t.pack_sequences)
@@ -194,6 +210,8 @@ class Learner:
                     results["ref_logprobs"], _ = self._scores(self.model, m, entropy=False)
             elif ref:
                 results["ref_logprobs"], _ = self._scores(self.ref_model, m, entropy=False)
+            if teacher:
+                results["teacher_logprobs"], _ = self._scores(self.teacher, m, entropy=False)
             if values:
                 results["values"] = self._values(m)
             if not m.padding:

@@ -12,7 +12,7 @@ route) with lists instead: `fn(prompts, responses, answers, **columns_as_lists) 
 a model or a service with its own concurrency. `reward.route_by: data_source` picks the main reward
 of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
 
-Built-ins are registered by name (`math`, `format`); any other function is addressed by import path
+Built-ins are registered by name (`math`, `format`, `none`: 0 for everything); any other function is addressed by import path
 (`my_module:my_fn` or `my_module.my_fn`). What counts as *correct* (accuracy, pass@k, the refill filter)
 is the main reward function's verdict: a reward >= `reward.correct_threshold` unless the function declares
 its own with `@correct_when`.
@@ -94,7 +94,16 @@ def format_reward(prompt: str, response: str, answer: str) -> float:
     return 1.0 if _FORMAT_RE.search(response) else 0.0
 
 
-REGISTRY: dict[str, Callable[[str, str, str], float]] = {"math": math_reward, "format": format_reward}
+def no_reward(prompt: str, response: str, answer: str) -> float:
+    """0 for every response: no task reward (pure on-policy distillation, or a reward model's score alone)."""
+    return 0.0
+
+
+REGISTRY: dict[str, Callable[[str, str, str], float]] = {
+    "math": math_reward,
+    "format": format_reward,
+    "none": no_reward,
+}
 
 
 @functools.cache
@@ -221,6 +230,11 @@ def check_config(cfg) -> None:
             "reward.model='' is not a model: give a hub id or local directory, or null for none"
         )
     local_path_exists("reward.model", w.model)
+    if w.fn == "none" and w.model is None and not w.extra and cfg.algo.distill_coef == 0:
+        raise ConfigError(
+            "reward.fn=none with no reward.model, no reward.extra and algo.distill_coef=0: nothing to learn "
+            "from; name a reward function or distill from a teacher (algo.distill_coef > 0, algo.teacher.path)"
+        )
     if w.route_by is not None and not w.routes:
         log.warning(
             "reward.route_by=%r without reward.routes: every sample is scored by reward.fn=%r; add "

@@ -234,7 +234,24 @@ BAD = [
     ("algo.dynamic_sampling", "on", ["algo.dynamic_sampling='on' is not one of ['off', 'refill']"]),
     ("algo.filter_metric", "loss", ["algo.filter_metric='loss' is not one of ['reward', 'accuracy']"]),
     ("algo.overlong_filter", "maybe", ["algo.overlong_filter", "maybe"]),
-    ("reward.fn", "no_such_reward", ["reward.fn", "no_such_reward", "'math', 'format'"]),
+    ("algo.teacher.dtype", "fp8", ["algo.teacher.dtype='fp8' is not one of ['auto', 'float32', 'bfloat16']"]),
+    (
+        "algo.teacher.path",
+        "./no/such/teacher",
+        ["algo.teacher.path='./no/such/teacher' does not exist", "make distill-teacher"],
+        {"algo": {"distill_coef": 0.5}},
+    ),
+    (
+        "algo.teacher.path",
+        None,
+        ["algo.distill_coef=0.5 > 0 needs algo.teacher.path"],
+        {"algo": {"distill_coef": 0.5}},
+    ),
+    ("algo.distill_coef", 0.5, ["algo.distill_coef=0.5 > 0 needs algo.teacher.path"]),
+    ("algo.task_coef", 0.0, ["algo.task_coef=0 and algo.distill_coef=0: nothing to learn from"]),
+    ("algo.distill_gamma", "high", ["algo.distill_gamma", "high"]),
+    ("reward.fn", "no_such_reward", ["reward.fn", "no_such_reward", "'math', 'format', 'none'"]),
+    ("reward.fn", "none", ["reward.fn=none with no reward.model, no reward.extra and algo.distill_coef=0"]),
     ("reward.fn", "", ["reward.fn='' must be a non-empty string"]),
     ("reward.extra", {"formt": 0.1}, ["reward.extra.formt", "'math', 'format'"]),
     ("reward.extra", {"format": "nan"}, ["reward.extra.format=nan must be a finite weight"]),
@@ -294,6 +311,7 @@ OUT_OF_RANGE = {
     "algo.kl_coef": -0.1, "algo.entropy_coef": -0.01, "algo.gamma": 1.1, "algo.lam": -0.1,
     "algo.vf_coef": -1.0, "algo.value_clip": 0.0, "algo.ppo_epochs": 0, "algo.mini_batches": 0,
     "algo.rollout_kl_coef": -1.0, "algo.max_gen_batches": 0, "reward.timeout_s": 0.0,
+    "algo.distill_coef": -0.5, "algo.distill_gamma": 1.5, "algo.task_coef": -1.0,
     "reward.num_workers": 0, "reward.model_weight": float("inf"), "reward.model_batch_size": 0,
     "reward.overlong_buffer": -1, "reward.overlong_penalty": -1.0, "trainer.steps": 0,
     "reward.correct_threshold": float("nan"),
@@ -328,10 +346,10 @@ def _with(base: dict, key: str, value, extra: dict | None = None) -> dict:
     import copy
 
     cfg = copy.deepcopy(base)
-    if extra and "algo" in extra:  # the ppo group: GAE with a critic
+    if extra and extra.get("algo") == "ppo":  # the ppo group: GAE with a critic
         cfg["algo"].update(adv_estimator="gae", value_model=True, kl_in_reward=False)
-    for section in ("trainer", "env", "model", "rollout", "data"):
-        if extra and section in extra:
+    for section in ("trainer", "env", "model", "rollout", "data", "algo"):
+        if extra and isinstance(extra.get(section), dict):
             _merge(cfg[section], extra[section])
     *parents, leaf = key.split(".")
     node = cfg
