@@ -35,7 +35,7 @@ ARGS ?=
 # `import vllm` ("torchvision::nms does not exist") and `import transformers` (torchaudio fails to load).
 UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 
-.PHONY: install install-test quickstart test lint docs clean
+.PHONY: install install-test quickstart distill-teacher test lint docs clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ install-test: $(VENV)/.test
 
 quickstart: install
 	$(PY) -m rlkit.train +recipe=quickstart $(ARGS)
+
+# +recipe=distill_quickstart's teacher: the quickstart, seed 0, trained for its 25 steps into runs/distill-teacher
+# (its model: runs/distill-teacher/checkpoints/step_25/model). Run again, it resumes and finds nothing left to do.
+distill-teacher: install
+	$(PY) -m rlkit.train +recipe=quickstart trainer.seed=0 trainer.run_dir=runs/distill-teacher $(ARGS)
 
 lint: install-test
 	$(PY) -m ruff check rlkit tests scripts

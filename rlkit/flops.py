@@ -62,6 +62,12 @@ def sequence_flops(shape: ModelShape, length: int, *, training: bool) -> float:
     return length * (c * shape.matmul_params + 2 * c * shape.layers * shape.attention_width * length)
 
 
+def batch_flops(shape: ModelShape, tokens: float, tokens_sq: float, *, training: bool) -> float:
+    """`sequence_flops` summed over a batch, from the sums of its sequences' lengths and squared lengths."""
+    c = 6.0 if training else 2.0
+    return c * shape.matmul_params * tokens + 2 * c * shape.layers * shape.attention_width * tokens_sq
+
+
 def measured_cpu_peak(dtype: torch.dtype, *, seconds: float = 0.3, size: int = 1024) -> float:
     """FLOP/s of the best `size` x `size` matmul at `dtype` over about `seconds` on this CPU (all threads)."""
     a = torch.randn(size, size).to(dtype)

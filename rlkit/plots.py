@@ -6,8 +6,11 @@ The trainer calls `plot_run(run_dir)` at the end of every run; `scripts/plot_run
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # One panel per entry: (title, metric keys drawn in it). Keys missing from a run are skipped, and a
 # panel with no data left is dropped, so the same layout serves GRPO, PPO and eval-less runs.
@@ -51,6 +54,17 @@ def series(rows: list[dict], key: str, x_key: str = "step") -> tuple[list[float]
             xs.append(row.get(x_key, i))
             ys.append(float(v))
     return xs, ys
+
+
+def plot_finished_run(run_dir: str | Path) -> None:
+    """`plot_run` at the end of a run: a plotting problem is logged, never raised (the run is done)."""
+    try:
+        out = plot_run(run_dir)
+    except Exception as e:
+        log.warning("could not draw the run's curves: %s: %s", type(e).__name__, e)
+        return
+    if out is not None:
+        log.info("curves: %s", out)
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:

@@ -41,13 +41,13 @@ from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.flops import device_peak
+from rlkit.flops import batch_flops, device_peak
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
 from rlkit.metrics import MetricMerger, step_statistics, to_host
 from rlkit.models import load_tokenizer
-from rlkit.plots import plot_run
+from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.timing import Timers, peak_memory_gb
@@ -226,9 +226,10 @@ class Trainer:
         metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
         metrics["perf/gen_tokens_per_s"] = tokens / gen_s
         # MFU: model FLOPs (rlkit/flops.py) over the peak of every device for the phase's wall time.
-        shape, devices = self.learner.shape, self.peak * self.world
-        gen_flops = 2 * shape.matmul_params * seq + 4 * shape.layers * shape.attention_width * seq_sq
-        metrics["perf/gen_mfu"] = gen_flops / (gen_s * devices)
+        devices = self.peak * self.world
+        metrics["perf/gen_mfu"] = batch_flops(self.learner.shape, seq, seq_sq, training=False) / (
+            gen_s * devices
+        )
         metrics["perf/learner_mfu"] = metrics["learner/flops"] / (
             max(metrics["learner/seconds"], 1e-9) * devices
         )
@@ -424,8 +425,8 @@ class Trainer:
                 bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        if self.is_main:
-            self._plot()
+        if self.is_main:  # curves for a user without W&B: <run_dir>/curves.png (scripts/plot_run.py RUN_DIR)
+            plot_finished_run(self.run_dir)
         return history
 
     def _baseline(self) -> None:
@@ -481,17 +482,6 @@ class Trainer:
                     "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
                 )
                 break
-
-    def _plot(self) -> None:
-        """Curves for a user without W&B: `<run_dir>/curves.png` (redraw: scripts/plot_run.py RUN_DIR)."""
-
-        try:
-            out = plot_run(self.run_dir)
-        except Exception as e:  # a plotting problem must not fail a finished run
-            log.warning("could not draw the run's curves: %s: %s", type(e).__name__, e)
-            return
-        if out is not None:
-            log.info("curves: %s", out)
 
     def close(self) -> None:
         self.rollouts.close()
