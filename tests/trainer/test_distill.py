@@ -125,13 +125,17 @@ def _weights_of(path):
 
 def test_two_processes_with_micro_batches_equal_one_process(tiny, teacher, tmp_path):  # noqa: F811
     """The distillation step's gradient is the full batch's: 1 process, one micro-batch, against 2 gloo
-    processes each splitting its rows into micro-batches of at most 64 tokens (metrics and weights)."""
+    processes under FSDP2 (the teacher sharded like the policy) each splitting its rows into micro-batches of
+    at most 64 tokens (metrics and weights)."""
     common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *_distill(teacher), "trainer.save_every=2")
     runs = {}
-    for n, micro in ((1, 4096), (2, 64)):
+    for n, micro, strategy in ((1, 4096, "auto"), (2, 64, "fsdp2")):
         run_dir = tmp_path / f"np{n}"
         args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
-        _launch(tmp_path, *args, f"trainer.num_processes={n}", f"trainer.max_tokens_per_microbatch={micro}")
+        _launch(
+            tmp_path, *args, f"trainer.num_processes={n}", f"trainer.max_tokens_per_microbatch={micro}",
+            f"trainer.strategy={strategy}",
+        )  # fmt: skip
         runs[n] = run_dir
     m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
     assert len(m1) == len(m2) == 2
