@@ -1,10 +1,10 @@
 """The RL math: pure tensor functions (no I/O, no distributed calls, no config objects).
 
-    from rlkit.algos import advantages, kl, losses, correction
+    from rlkit.algos import advantages, kl, losses, correction, distill
 
 See docs/math.md for a guide to the estimators and when to pick each.
 """
 
-from rlkit.algos import advantages, correction, kl, losses
+from rlkit.algos import advantages, correction, distill, kl, losses
 
-__all__ = ["advantages", "kl", "losses", "correction"]
+__all__ = ["advantages", "kl", "losses", "correction", "distill"]

@@ -86,6 +86,20 @@ def _load_value_model(path: str):
     return model
 
 
+@contextlib.contextmanager
+def _eval_mode(*models):
+    """The models in eval mode (no dropout) inside the block, each back in its own mode after it."""
+    present = [m for m in models if m is not None]
+    modes = [m.training for m in present]
+    try:
+        for m in present:
+            m.eval()
+        yield
+    finally:
+        for m, mode in zip(present, modes):
+            m.train(mode)
+
+
 class Learner:
     """Owns the policy (and optional reference / critic), the optimizer and the LR schedule.
 
@@ -201,24 +215,28 @@ class Learner:
             torch.tensor([len(micros)], device=self.device), self.world_size, op=dist.ReduceOp.MAX
         )
         micros = micros + [padding_micro(rows)] * (int(count[0]) - len(micros))  # every rank runs as many
-        for m in micros:
-            results = {}
-            if policy:
-                results["logprobs"], results["entropy"] = self._scores(self.model, m, entropy=True)
-            if ref and self.lora:
-                with self.accelerator.unwrap_model(self.model).disable_adapter():
-                    results["ref_logprobs"], _ = self._scores(self.model, m, entropy=False)
-            elif ref:
-                results["ref_logprobs"], _ = self._scores(self.ref_model, m, entropy=False)
-            if teacher:
-                results["teacher_logprobs"], _ = self._scores(self.teacher, m, entropy=False)
-            if values:
-                results["values"] = self._values(m)
-            if not m.padding:
-                keep = m.batch.response_mask[:, : m.response_len].to(self.device, torch.bool)
-                for k, v in results.items():
-                    out[k][m.rows.to(self.device), : m.response_len] = torch.where(keep, v.float(), 0.0)
+        with _eval_mode(self.model, self.value_model):  # scores without dropout (LoRA's): deterministic
+            for m in micros:
+                self._forward_micro(m, out, policy=policy, ref=ref, values=values, teacher=teacher)
         return LogProbs(**out)
+
+    def _forward_micro(self, m: Micro, out: dict, *, policy: bool, ref: bool, values: bool, teacher: bool):
+        results = {}
+        if policy:
+            results["logprobs"], results["entropy"] = self._scores(self.model, m, entropy=True)
+        if ref and self.lora:
+            with self.accelerator.unwrap_model(self.model).disable_adapter():
+                results["ref_logprobs"], _ = self._scores(self.model, m, entropy=False)
+        elif ref:
+            results["ref_logprobs"], _ = self._scores(self.ref_model, m, entropy=False)
+        if teacher:
+            results["teacher_logprobs"], _ = self._scores(self.teacher, m, entropy=False)
+        if values:
+            results["values"] = self._values(m)
+        if not m.padding:
+            keep = m.batch.response_mask[:, : m.response_len].to(self.device, torch.bool)
+            for k, v in results.items():
+                out[k][m.rows.to(self.device), : m.response_len] = torch.where(keep, v.float(), 0.0)
 
     # -- update --------------------------------------------------------------------------------
 

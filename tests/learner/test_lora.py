@@ -131,3 +131,29 @@ def test_gradient_checkpointing_gives_the_same_adapter_update(tiny_model_dir):
     assert a.keys() == b.keys() and any(p.abs().max() > 0 for n, p in a.items() if ".lora_B." in n)
     for n in a:
         torch.testing.assert_close(a[n], b[n], atol=1e-6, rtol=0)
+
+
+def test_scoring_is_deterministic_with_lora_dropout(tiny_model_dir):
+    """`forward` scores in eval mode: with model.lora.dropout=0.5 two scorings of a batch agree exactly (the
+    rollout's mismatch metrics, IS weights and the distillation term read them), while the update still
+    trains with dropout (two updates from the same weights and batch but other random states differ)."""
+    learner = Learner(_cfg(tiny_model_dir, lora_dropout=0.5))
+    _update(learner, seed=0)  # the adapters' B leaves 0, so the dropout on their input changes the output
+    batch = make_batch(all_fields=False, seed=3)
+    first, second = learner.forward(batch).logprobs, learner.forward(batch).logprobs
+    assert torch.equal(first, second)
+    model = learner.accelerator.unwrap_model(learner.model)
+    assert model.training  # back in train mode for the update
+    grads = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        learner.accumulate_gradients(_with_advantages(batch))
+        grads.append([p.grad.clone() for n, p in model.named_parameters() if ".lora_B." in n])
+        learner.zero_grad()
+    assert any(not torch.equal(a, b) for a, b in zip(*grads))  # dropout is active in the update
+
+
+def _with_advantages(batch):
+    g = torch.Generator().manual_seed(0)
+    fields = {**batch.tensor_fields(), "advantages": torch.randn(batch.advantages.shape, generator=g)}
+    return type(batch)(**fields)
