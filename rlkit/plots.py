@@ -108,3 +108,57 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def elapsed_minutes(rows: list[dict]) -> list[float]:
+    """Wall minutes since the run's start at the end of each row: the running sum of the step's, the
+    evaluation's and the checkpoint's seconds (`timing/step_s`, `timing/eval_s`, `timing/checkpoint_s`)."""
+    total, out = 0.0, []
+    for row in rows:
+        total += sum(
+            float(row.get(k) or 0.0) for k in ("timing/step_s", "timing/eval_s", "timing/checkpoint_s")
+        )
+        out.append(total / 60)
+    return out
+
+
+def plot_comparison(
+    groups: dict[str, list[str | Path]], out: str | Path, *, key: str = "eval/pass@1", title: str = ""
+) -> Path:
+    """`key` of several runs per label (e.g. seeds) against the step and against wall minutes: one thin line
+    per run, the label's mean over its runs as a thick line (drawn where every run has the step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, (label, paths) in enumerate(groups.items()):
+        color = f"C{i}"
+        per_step: dict[int, list[float]] = {}
+        for path in paths:
+            rows = read_metrics(path)
+            for row, minutes in zip(rows, elapsed_minutes(rows)):
+                row["_minutes"] = minutes
+            steps, values = series(rows, key)
+            minutes, _ = series(rows, key, x_key="_minutes")
+            by_step.plot(steps, values, color=color, alpha=0.35, linewidth=1)
+            by_time.plot(minutes, values, color=color, alpha=0.35, linewidth=1, marker="o", markersize=2)
+            for s, v in zip(steps, values):
+                per_step.setdefault(s, []).append(v)
+        full = sorted(s for s, v in per_step.items() if len(v) == len(paths))
+        mean = [sum(per_step[s]) / len(per_step[s]) for s in full]
+        by_step.plot(
+            full, mean, color=color, linewidth=2.5, marker="o", label=f"{label} (mean of {len(paths)})"
+        )
+    for ax, xlabel in ((by_step, "step"), (by_time, "wall minutes")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

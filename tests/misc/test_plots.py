@@ -75,3 +75,26 @@ def test_dynamic_sampling_panel_only_in_refill_runs(tmp_path, monkeypatch):
 def test_plot_run_without_data_returns_none(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     assert plot_run(tmp_path) is None
+
+
+def test_compare_script_tabulates_means_and_wall_minutes_and_draws(tmp_path):
+    def run(name, values, step_s):
+        rows = [{"step": 0, "eval/pass@1": values[0], "timing/eval_s": 30.0}]
+        rows += [{"step": 1, "timing/step_s": step_s}, {"step": 2, "timing/step_s": step_s}]
+        rows.append({"step": 2, "eval/pass@1": values[1], "timing/eval_s": 30.0, "timing/checkpoint_s": 60.0})
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    a, b = run("a", [0.1, 0.5], 60.0), run("b", [0.2, 0.7], 120.0)
+    out = tmp_path / "cmp.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts/plot_compare.py"), "--out", str(out), f"x={a},{b}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    # wall minutes: a = (30 + 60 + 60 + 30 + 60) s = 4.0 min, b = (30 + 120 + 120 + 30 + 60) s = 6.0 min
+    assert any(line.startswith(f"| x {a} | 0.100 | 0.500 | 4.0 |") for line in lines), proc.stdout
+    assert any(line.startswith(f"| x {b} | 0.200 | 0.700 | 6.0 |") for line in lines), proc.stdout
+    assert "| x mean | **0.150** | **0.600** | |" in lines
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
