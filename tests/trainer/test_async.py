@@ -266,20 +266,24 @@ def test_two_learner_processes_and_two_rollout_workers_equal_one_and_one(tiny, t
 @pytest.mark.parametrize(
     "extra",
     [
-        ["model.lora.rank=4", "model.lora.alpha=8"],
-        ["algo.dynamic_sampling=refill", "algo.max_gen_batches=3", "algo.mask_zero_std_groups=true"],
+        # LoRA and multi-turn share one run: their checks (mismatch ~0, and the turn count) need no run
+        # of their own, as in tests/rollout/test_vllm_train.py.
         [
+            "model.lora.rank=4",
+            "model.lora.alpha=8",
             "env.name=rlkit_test_envs:Chatty",
             "env.max_turns=3",
             "env.max_total_tokens=64",
             "rollout.max_new_tokens=8",
         ],
+        ["algo.dynamic_sampling=refill", "algo.max_gen_batches=3", "algo.mask_zero_std_groups=true"],
     ],
-    ids=["lora", "refill", "multi_turn"],
+    ids=["lora_multi_turn", "refill"],
 )
 def test_lora_refill_and_multi_turn_run_in_the_rollout_worker(tiny, tmp_path, extra):
     """The worker runs the same producer, so refill and environment turns happen there; with LoRA it gets
-    merged weights. Staleness 0 with the tight weight-sync check: every push reached the worker."""
+    merged weights (here with multi-turn episodes: more than one model turn scored per episode). Staleness
+    0 with the tight weight-sync check: every push reached the worker."""
     hist = train(
         tiny, tmp_path / "x", "trainer.mode=async", "trainer.max_staleness=0", "trainer.steps=2",
         "rollout.weight_sync_kl_threshold=1e-4", *extra,
