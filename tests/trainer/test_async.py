@@ -83,7 +83,7 @@ def staleness_one_runs(tiny, tmp_path_factory):
     from rlkit.trainer import Trainer
 
     root = tmp_path_factory.mktemp("staleness_one")
-    behaviour, checked, prompts = {}, {}, {}
+    behaviour, checked, prompts = {}, [], {}
     real_produce, real_update, real_step = AsyncRollouts.produce, Learner.update, Trainer.train_step
 
     def spy_produce(self, step, timers):
@@ -119,14 +119,15 @@ def staleness_one_runs(tiny, tmp_path_factory):
                 for n, q in self.accelerator.unwrap_model(self.model).named_parameters()
             }
             self.zero_grad()
-            checked[step] = dict(
+            found = dict(
                 version=version,
-                mask=mask,
+                mask=mask.clone(),
                 w=w,
                 is_weights=batch.is_weights.clone(),
                 expected=expected,
                 got=got,
             )
+            checked.append((step, found))
         return real_update(self, batch)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -158,8 +159,8 @@ def test_staleness_one_trains_one_version_old_batches_with_the_decoupled_ppo_los
     before the update), times IS weights exp(proximal - behaviour) truncated at 2, behaviour = the worker
     engine's log-probs."""
     hist, checked = staleness_one_runs["straight"], staleness_one_runs["checked"]
-    assert list(checked) == [2]
-    c = checked[2]
+    assert [step for step, _ in checked] == [2]
+    c = checked[0][1]
     assert c["version"] == 1
     mask, w = c["mask"], c["w"]
     assert (w - 1).abs()[mask].max() > 1e-3  # the batch really is off-policy
