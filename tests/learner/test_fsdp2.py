@@ -4,6 +4,18 @@ One 2-process launch per precision runs every check's distributed half and saves
 the tests compare that with single-process computations that share no code with the learner's
 distributed path (a naive full-batch loss, plain transformers models, a 1-process learner).
 
+What bf16 runs: only what its precision path can change. bf16 is FSDP2's
+MixedPrecisionPolicy over fp32 master weights: forward and backward in bf16, gradients reduced in bf16,
+the reference model loaded in bf16, the push exporting from a bf16-compute learner. So bf16 checks the
+gradient (one aggregation mode, token-mean, the one every other check trains with), gradient
+checkpointing's recomputation under the bf16 cast, the 4 steps against one fp32 process (Adam on the fp32
+masters), the sharded reference and critic, and the weight push. It does not repeat what is the same code
+on the same fp32 state in both precisions, which fp32 checks at tolerances bf16 could not reach: the
+other three aggregation modes (the loss normalisation over ranks: checked exactly in fp32; bf16's 15%
+would only repeat it loosely), the 2 + resume + 2 steps and the HF checkpoint (rlkit/learner/checkpoint.py
+has no dtype branch; it saves and loads the fp32 masters and optimizer state, which MixedPrecisionPolicy
+never casts), and the shard sizes (the fp32 parameters and optimizer state are sharded alike).
+
 bf16 tolerances, from the dtype's precision and each quantity's scale. FSDP2's MixedPrecisionPolicy runs
 forward and backward with bf16 parameters and activations and reduces gradients in bf16; the references
 run in fp32. bf16 keeps 8 significant bits: eps = 2^-8, so one rounding errs by at most u = 2^-9 relative.
@@ -58,6 +70,8 @@ from rlkit.algos.losses import AGG_MODES
 from rlkit.learner import Learner
 
 DTYPES = ("float32", "bfloat16")
+# bf16 runs only the checks its mixed-precision path can change (module docstring).
+BF16_MODE = "token-mean"  # the gradient's one aggregation mode in bf16
 U = 2**-9  # bf16 unit roundoff (eps 2^-8)
 # Relative error in norm of one forward's outputs (see the module docstring).
 REL = {"float32": 1e-5, "bfloat16": 16 * U}
@@ -92,8 +106,9 @@ def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
     out = {}
     _, batch = global_batch()
     mine = local_rows(batch, rank)
-    # Gradient of the whole global batch, all four aggregation modes, and with gradient checkpointing.
-    for mode in AGG_MODES:
+    # Gradient of the whole global batch, all four aggregation modes (bf16: one), and with gradient
+    # checkpointing.
+    for mode in AGG_MODES if dtype == "float32" else (BF16_MODE,):
         learner = Learner(cfg(loss_agg_mode=mode))
         assert learner.accelerator.is_fsdp2 and learner.world_size == 2
         assert all(isinstance(p, DTensor) for p in learner.model.parameters())
@@ -103,12 +118,17 @@ def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
     learner.accumulate_gradients(mine)
     out["checkpointing"] = full_grads(learner)
 
-    straight = four_steps_then_two_plus_two(lambda: Learner(cfg(**RESUME)), rank, f"{out_dir}/ckpt", out)
-    params = local_numel(straight.model.parameters())
-    opt_state = local_numel(
-        v for s in straight.optimizer.state.values() for v in s.values() if isinstance(v, DTensor)
-    )
-    out["shards"] = {"params": params, "optimizer": opt_state}
+    if dtype == "float32":
+        straight = four_steps_then_two_plus_two(lambda: Learner(cfg(**RESUME)), rank, f"{out_dir}/ckpt", out)
+        params = local_numel(straight.model.parameters())
+        opt_state = local_numel(
+            v for s in straight.optimizer.state.values() for v in s.values() if isinstance(v, DTensor)
+        )
+        out["shards"] = {"params": params, "optimizer": opt_state}
+    else:  # the 4-step run alone: its resume, checkpoint and shards are fp32's (module docstring)
+        straight = Learner(cfg(**RESUME))
+        out["straight"] = [straight.update(local_rows(b, rank)) for b in step_batches()]
+        out["straight_weights"] = dict(straight.named_weights())
     out["ref_logprobs"] = straight.forward(mine, ref=True, policy=False).ref_logprobs
     out["values_after"] = straight.forward(mine, values=True, policy=False).values
 
@@ -162,14 +182,33 @@ def tok_model_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok"), hidden_size=32, num_layers=2)
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def fsdp2(request, tiny_model_dir, tok_model_dir, tmp_path_factory):
-    dtype = request.param
-    out = tmp_path_factory.mktemp(f"fsdp2_{dtype}")
-    args = (2, free_port(), tiny_model_dir, tok_model_dir, str(out), dtype)
-    mp.spawn(_worker, args=args, nprocs=2, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return dtype, ranks, out
+@pytest.fixture(scope="module")
+def launches(tiny_model_dir, tok_model_dir, tmp_path_factory):
+    """The 2-process launch of a precision, run once, on first use: (dtype, [rank outputs], out dir)."""
+    done = {}
+
+    def launch(dtype):
+        if dtype not in done:
+            out = tmp_path_factory.mktemp(f"fsdp2_{dtype}")
+            args = (2, free_port(), tiny_model_dir, tok_model_dir, str(out), dtype)
+            mp.spawn(_worker, args=args, nprocs=2, join=True)
+            ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+            done[dtype] = dtype, ranks, out
+        return done[dtype]
+
+    return launch
+
+
+@pytest.fixture(params=DTYPES)
+def fsdp2(request, launches):
+    """The checks run in both precisions."""
+    return launches(request.param)
+
+
+@pytest.fixture
+def fsdp2_fp32(launches):
+    """The checks whose code and state are the same in both precisions: fp32 only (module docstring)."""
+    return launches("float32")
 
 
 def assert_rel_close(got: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
@@ -190,9 +229,9 @@ def global_rel_error(got: dict, expected: dict) -> float:
     return float((g - e).norm() / e.norm())
 
 
-@pytest.mark.parametrize("mode", AGG_MODES)
-def test_gradient_equals_single_process_full_batch_gradient(fsdp2, tiny_model_dir, mode):
-    dtype, ranks, _ = fsdp2
+@pytest.mark.parametrize("dtype, mode", [("float32", mode) for mode in AGG_MODES] + [("bfloat16", BF16_MODE)])
+def test_gradient_equals_single_process_full_batch_gradient(launches, tiny_model_dir, dtype, mode):
+    _, ranks, _ = launches(dtype)
     generated, batch = global_batch()
     cfg = learner_cfg(model_path=tiny_model_dir, loss_agg_mode=mode, **FULL_LOSS)
     expected = reference_grads(tiny_model_dir, batch, cfg, generated.response_mask)
@@ -247,15 +286,15 @@ def test_four_steps_match_one_process_metrics_grad_norm_and_weights(fsdp2, singl
     assert_dicts_close(ranks[1]["straight_weights"], ranks[0]["straight_weights"], 0.0)
 
 
-def test_four_steps_equal_two_plus_resume_plus_two(fsdp2):
-    _, ranks, _ = fsdp2
+def test_four_steps_equal_two_plus_resume_plus_two(fsdp2_fp32):
+    _, ranks, _ = fsdp2_fp32
     assert_resume_exact(ranks)
 
 
-def test_hf_checkpoint_loads_in_plain_transformers_and_equals_gathered_weights(fsdp2):
+def test_hf_checkpoint_loads_in_plain_transformers_and_equals_gathered_weights(fsdp2_fp32):
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    _, ranks, out = fsdp2
+    _, ranks, out = fsdp2_fp32
     model = AutoModelForCausalLM.from_pretrained(out / "ckpt" / "model", dtype=torch.float32)
     saved = ranks[0]["saved_weights"]
     state = model.state_dict()
@@ -267,8 +306,8 @@ def test_hf_checkpoint_loads_in_plain_transformers_and_equals_gathered_weights(f
     assert (out / "ckpt" / "state" / "pytorch_model_fsdp_0").is_dir()  # sharded (DCP) state, not a full copy
 
 
-def test_each_rank_holds_half_of_the_parameters_and_optimizer_state(fsdp2):
-    _, ranks, _ = fsdp2
+def test_each_rank_holds_half_of_the_parameters_and_optimizer_state(fsdp2_fp32):
+    _, ranks, _ = fsdp2_fp32
     for key in ("params", "optimizer"):
         locals_ = [r["shards"][key][0] for r in ranks]
         total = ranks[0]["shards"][key][1]
