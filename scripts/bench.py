@@ -5,6 +5,7 @@
     python scripts/bench.py ... --compare-trl --fixed-length   # throughput at equal generated lengths
     python scripts/bench.py ... --compare-trl --seeds 0,1,2    # the learning comparison over seeds
     python scripts/bench.py ... --json                 # one JSON object for machines
+    python scripts/bench.py ... --workdir DIR --report-only   # re-print the report of a run in DIR
 
 Two tables, two questions. Throughput (per framework: generated tokens/s, learner tokens/s, step time):
 with --fixed-length every response is exactly --max-new-tokens tokens in both frameworks (rlkit
@@ -158,6 +159,9 @@ def run_trl(args) -> dict:
     counts: list[dict] = []  # one per step: generated tokens and seconds, learner tokens and seconds
     rewards: list[float] = []
     current = {"gen_tokens": 0, "gen_s": 0.0, "learner_tokens": 0, "learner_start": None}
+
+    if not callable(getattr(GRPOTrainer, "_generate", None)):  # a private hook: fail loudly, never count 0
+        raise SystemExit("this TRL's GRPOTrainer has no _generate(prompts) to count generated tokens in")
 
     class Counted(GRPOTrainer):
         """TRL's trainer with counters around its generation and its loss; the arithmetic is untouched."""
@@ -443,6 +447,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the learning table's reward level (default: the median of TRL's seeds' best 5-step means)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: print the report of the worker results already in --workdir (same options)",
+    )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--rlkit-override", action="append", default=[], help="extra Hydra override for rlkit")
     p.add_argument("--_worker", choices=["rlkit", "trl"], help=argparse.SUPPRESS)
@@ -461,8 +470,14 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     os.makedirs(args.workdir, exist_ok=True)
     frameworks = ["rlkit", "trl"] if args.compare_trl else ["rlkit"]
+    out = Path(args.workdir)
     results = {
-        name: [child(name, seed, args, Path(args.workdir) / f"{name}-seed{seed}.json") for seed in seeds]
+        name: [
+            json.loads((out / f"{name}-seed{seed}.json").read_text())
+            if args.report_only
+            else child(name, seed, args, out / f"{name}-seed{seed}.json")
+            for seed in seeds
+        ]
         for name in frameworks
     }
 

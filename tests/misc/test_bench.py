@@ -112,6 +112,7 @@ def test_fixed_length_gives_both_frameworks_the_same_work(tiny, tmp_path):
     pytest.importorskip("trl")
     summary = run_bench(tiny, tmp_path, "--fixed-length")
     assert summary["mode"] == "fixed-length" and summary["learning"] is None
+    assert run_bench(tiny, tmp_path, "--fixed-length", "--report-only")["throughput"] == summary["throughput"]
     for name in ("rlkit", "trl"):
         t = summary["throughput"][name]
         assert t["gen_tokens_per_step"] == 2 * 2 * 6, name
