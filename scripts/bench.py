@@ -2,7 +2,23 @@
 
     python scripts/bench.py --model smollm2-135m --prompts 4 --group 4 --max-new-tokens 32 --steps 20
     python scripts/bench.py ... --compare-trl          # then TRL on the same model, prompts, rewards
+    python scripts/bench.py ... --compare-trl --fixed-length   # throughput at equal generated lengths
+    python scripts/bench.py ... --compare-trl --seeds 0,1,2    # the learning comparison over seeds
     python scripts/bench.py ... --json                 # one JSON object for machines
+    python scripts/bench.py ... --workdir DIR --report-only   # re-print the report of a run in DIR
+
+Two tables, two questions. Throughput (per framework: generated tokens/s, learner tokens/s, step time):
+with --fixed-length every response is exactly --max-new-tokens tokens in both frameworks (rlkit
+`rollout.ignore_eos=true`; TRL `min_new_tokens`, which masks EOS), so both do the same work per step and
+step times compare (rlkit then also trains every row, as TRL does, instead of skipping zero-std groups);
+without it each model stops where it samples EOS, and only the tokens/s compare.
+Learner tokens are counted, not assumed: the prompt + response tokens of the rows that went through
+forward and backward (rlkit `learner/tokens`, which leaves out zero-std rows it skips; TRL's prompt and
+completion masks of every row its loss sees); learner seconds are the forward, backward and optimizer
+step (rlkit `learner/seconds`; TRL from its loss's first call to the end of the step). Generated tokens
+per second divide each step's response tokens by its generation time (rlkit's generate phase; TRL's
+`_generate`). Learning (time to a reward level, per seed) only means something at natural lengths, so
+--fixed-length leaves it out.
 
 Both frameworks run the quickstart_1digit recipe's task (the quickstart until 2026-11-23: its data, prompt
 template, system prompt and the exact-answer `math` reward; TRL gets them from rlkit's own composed config),
@@ -31,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def rlkit_overrides(args) -> list[str]:
     """Hydra overrides that put the quickstart_1digit recipe at the benchmark's settings."""
-    return [
+    overrides = [
         "+recipe=quickstart_1digit",
         f"model.path={args.model}",
         f"model.dtype={args.dtype}",
@@ -52,10 +68,14 @@ def rlkit_overrides(args) -> list[str]:
         "trainer.resume=none",
         "algo.kl_coef=0.0",
         "algo.loss_agg_mode=token-mean",
-        f"trainer.run_dir={args.workdir}/rlkit",
+        f"trainer.run_dir={args.workdir}/rlkit-seed{args.seed}",
         "trainer.progress_bar=false",
         "logger=none",
-    ] + list(args.rlkit_override)
+    ]
+    if args.fixed_length:
+        # Equal work per step: every row trains, as in TRL (rlkit skips zero-std groups by default).
+        overrides += ["rollout.ignore_eos=true", "algo.mask_zero_std_groups=false"]
+    return overrides + list(args.rlkit_override)
 
 
 def run_rlkit(args) -> dict:
@@ -81,10 +101,20 @@ def run_rlkit(args) -> dict:
     finally:
         trainer.close()
     steps = [
-        {"step": i + 1, "seconds": end - t_start, "reward": m.get("reward/mean"), "metrics": m}
+        {
+            "step": i + 1,
+            "seconds": end - t_start,
+            "reward": m.get("reward/mean"),
+            # The trainer logs the generated tokens as a rate over the generate phase: undo the division.
+            "gen_tokens": round(m["perf/gen_tokens_per_s"] * m["timing/generate_s"]),
+            "gen_s": m["timing/generate_s"],
+            "learner_tokens": m["learner/tokens"],
+            "learner_s": m["learner/seconds"],
+            "metrics": m,
+        }
         for i, (end, m) in enumerate(zip(ends, history))
     ]
-    return {"framework": "rlkit", "setup_s": setup_s, "steps": steps}
+    return {"framework": "rlkit", "seed": args.seed, "setup_s": setup_s, "steps": steps}
 
 
 # ----------------------------------------------------------------------------------------------- TRL
@@ -126,19 +156,44 @@ def run_trl(args) -> dict:
     def reward(prompts, completions, answer, **_):
         return [reward_fn("", c[0]["content"], a) for c, a in zip(completions, answer)]
 
-    times: list[float] = []
+    counts: list[dict] = []  # one per step: generated tokens and seconds, learner tokens and seconds
     rewards: list[float] = []
+    current = {"gen_tokens": 0, "gen_s": 0.0, "learner_tokens": 0, "learner_start": None}
+
+    if not callable(getattr(GRPOTrainer, "_generate", None)):  # a private hook: fail loudly, never count 0
+        raise SystemExit("this TRL's GRPOTrainer has no _generate(prompts) to count generated tokens in")
+
+    class Counted(GRPOTrainer):
+        """TRL's trainer with counters around its generation and its loss; the arithmetic is untouched."""
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            current["gen_s"] += time.perf_counter() - t0
+            current["gen_tokens"] += sum(len(c) for c in out[1])  # completion ids, cut after EOS
+            return out
+
+        def compute_loss(self, model, inputs, *a, **kw):
+            if current["learner_start"] is None:
+                current["learner_start"] = time.perf_counter()
+            # Every row TRL's loss sees runs through forward and backward (no zero-std row is skipped).
+            real = inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
+            current["learner_tokens"] += int(real)
+            return super().compute_loss(model, inputs, *a, **kw)
 
     class Clock(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
-            times.append(time.perf_counter() - t_start)
+            now = time.perf_counter()
+            start = current.pop("learner_start")
+            counts.append({**current, "seconds": now - t_start, "learner_s": now - start if start else 0.0})
+            current.update(gen_tokens=0, gen_s=0.0, learner_tokens=0, learner_start=None)
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
 
     cfg = GRPOConfig(
-        output_dir=f"{args.workdir}/trl",
+        output_dir=f"{args.workdir}/trl-seed{args.seed}",
         per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group,
         max_completion_length=args.max_new_tokens,
@@ -163,8 +218,10 @@ def run_trl(args) -> dict:
         save_strategy="no",
         seed=args.seed,
         disable_dropout=True,
+        # Fixed length: EOS is masked until max_new_tokens (transformers' MinNewTokensLengthLogitsProcessor).
+        generation_kwargs={"min_new_tokens": args.max_new_tokens} if args.fixed_length else None,
     )
-    trainer = GRPOTrainer(
+    trainer = Counted(
         model=model_path,
         reward_funcs=reward,
         args=cfg,
@@ -175,10 +232,9 @@ def run_trl(args) -> dict:
     t_start = time.perf_counter()
     trainer.train()
     steps = [
-        {"step": i + 1, "seconds": t, "reward": rewards[i] if i < len(rewards) else None}
-        for i, t in enumerate(times)
+        {"step": i + 1, "reward": rewards[i] if i < len(rewards) else None, **c} for i, c in enumerate(counts)
     ]
-    return {"framework": "trl", "steps": steps}
+    return {"framework": "trl", "seed": args.seed, "steps": steps}
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -216,11 +272,65 @@ def time_to_reward(result: dict, level: float, window: int = 5) -> float | None:
     return None
 
 
+def throughput(runs: list[dict]) -> dict:
+    """One framework's throughput over its runs (seeds), step 1 of each left out (warm-up).
+
+    Rates are ratios of sums (all tokens over all seconds), not means of per-step rates."""
+    steps = [s for run in runs for s in (run["steps"][1:] or run["steps"])]
+    secs = [x for run in runs for x in (step_seconds(run)[1:] or step_seconds(run))]
+
+    def total(key):
+        return sum(s[key] for s in steps)
+
+    return {
+        "steps": len(steps),
+        "mean_step_s": sum(secs) / len(secs),
+        "median_step_s": median(secs),
+        "gen_tokens_per_step": total("gen_tokens") / len(steps),
+        "gen_tokens_per_s": total("gen_tokens") / max(total("gen_s"), 1e-9),
+        "learner_tokens_per_step": total("learner_tokens") / len(steps),
+        "learner_tokens_per_s": total("learner_tokens") / max(total("learner_s"), 1e-9),
+        "learner_s_per_step": total("learner_s") / len(steps),
+    }
+
+
+def best_level(run: dict, window: int) -> float:
+    """The best `window`-step moving average of a run's training reward."""
+    rewards = [s["reward"] if s["reward"] is not None else 0.0 for s in run["steps"]]
+    return max(moving_average(rewards, window))
+
+
+def learning(results: dict[str, list[dict]], level: float | None, window: int) -> dict:
+    """Time to a reward level, per framework and seed. Without `level`: the median over TRL's seeds of each
+    seed's best `window`-step average (what TRL typically reaches), else rlkit's."""
+    if level is None:
+        ref = results.get("trl") or results["rlkit"]
+        level = median([best_level(run, window) for run in ref])
+    table = {"reward_level": level, "reward_window": window}
+    for name, runs in results.items():
+        times = [time_to_reward(run, level, window) for run in runs]
+        reached = [t for t in times if t is not None]
+        table[name] = {
+            "seeds": [run["seed"] for run in runs],
+            "time_to_level_s": times,
+            # Never reaching it counts as infinitely late: the median is None when half the seeds never do.
+            "median_s": median([t if t is not None else float("inf") for t in times]),
+            "reached": f"{len(reached)}/{len(times)}",
+        }
+        if table[name]["median_s"] == float("inf"):
+            table[name]["median_s"] = None
+    if "trl" in results:
+        r, t = table["rlkit"]["median_s"], table["trl"]["median_s"]
+        table["ratio_median_time_to_level"] = r / t if r is not None and t else None
+    return table
+
+
 PHASES = ("generate", "reward", "logprobs", "advantages", "correction", "update", "weight_push")
 
 
-def rlkit_table(result: dict) -> str:
-    rows = [s["metrics"] for s in result["steps"][1:]] or [s["metrics"] for s in result["steps"]]
+def rlkit_table(runs: list[dict]) -> str:
+    """rlkit's phases per step (mean over every run's steps after the first)."""
+    rows = [s["metrics"] for run in runs for s in (run["steps"][1:] or run["steps"])]
 
     def avg(key):
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
@@ -234,20 +344,75 @@ def rlkit_table(result: dict) -> str:
             lines.append(f"{p:<16} {v:7.2f}  {100 * v / total:5.1f}%")
     lines.append(f"{'step':<16} {total:7.2f}")
     for key, label in (
-        ("perf/gen_tokens_per_s", "generated tokens/s"),
-        ("learner/tokens_per_s", "trained tokens/s (learner)"),  # counted: rows skipped as zero-std excluded
         ("learner/run_tokens", "tokens run by the learner"),
         ("perf/gen_mfu", "generation MFU"),
         ("perf/learner_mfu", "learner MFU"),
         ("perf/peak_memory_gb", "peak memory (GB)"),
     ):
-        lines.append(f"{label:<24} {avg(key):10.2f}")
+        lines.append(f"{label:<26} {avg(key):10.2f}")
     return "\n".join(lines)
 
 
-def child(framework: str, args, out: Path) -> dict:
-    """Run one framework in a fresh Python process; its result comes back through a JSON file."""
-    cmd = [sys.executable, __file__, "--_worker", framework, "--_out", str(out)] + args.argv
+def throughput_table(summary: dict) -> str:
+    mode = summary["mode"]
+    cols = (
+        "framework",
+        "gen tok/step",
+        "gen tok/s",
+        "learner tok/step",
+        "learner tok/s",
+        "learner s",
+        "step s",
+    )
+    lines = [
+        f"throughput ({mode}; mean over steps 2.. of every seed; learner tokens counted)",
+        " | ".join(cols),
+    ]
+    for name, t in summary["throughput"].items():
+        lines.append(
+            f"{name:<9} | {t['gen_tokens_per_step']:12.0f} | {t['gen_tokens_per_s']:9.1f} | "
+            f"{t['learner_tokens_per_step']:16.0f} | {t['learner_tokens_per_s']:13.1f} | "
+            f"{t['learner_s_per_step']:9.2f} | {t['mean_step_s']:6.2f}"
+        )
+    if "ratio_step_time" in summary:
+        lines.append(f"ratio rlkit/TRL seconds per step: {summary['ratio_step_time']:.2f}")
+        if mode != "fixed-length":
+            lines.append("(natural lengths: the frameworks generate different amounts; compare tokens/s)")
+    return "\n".join(lines)
+
+
+def learning_table(table: dict) -> str:
+    lines = [
+        f"learning: wall seconds until the {table['reward_window']}-step mean training reward first reaches "
+        f"{table['reward_level']:.3f}",
+        "framework | " + " | ".join(f"seed {s}" for s in table["rlkit"]["seeds"]) + " | median | reached",
+    ]
+    for name in ("rlkit", "trl"):
+        if name not in table:
+            continue
+        row = table[name]
+        times = " | ".join(f"{t:6.1f}" if t is not None else " never" for t in row["time_to_level_s"])
+        med = f"{row['median_s']:6.1f}" if row["median_s"] is not None else " never"
+        lines.append(f"{name:<9} | {times} | {med} | {row['reached']}")
+    ratio = table.get("ratio_median_time_to_level")
+    if ratio is not None:
+        lines.append(f"ratio rlkit/TRL median time to that reward: {ratio:.2f}")
+    return "\n".join(lines)
+
+
+def child(framework: str, seed: int, args, out: Path) -> dict:
+    """Run one framework and seed in a fresh Python process; its result comes back through a JSON file."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_worker",
+        framework,
+        "--_out",
+        str(out),
+        *args.argv,
+        "--seed",
+        str(seed),
+    ]
     # The child's own output goes to stderr, so stdout carries only the report (--json stays parseable).
     subprocess.run(cmd, check=True, cwd=REPO, stdout=sys.stderr)
     return json.loads(out.read_text())
@@ -263,13 +428,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, one run per seed (default: --seed)")
     p.add_argument("--engine", default="hf", choices=["auto", "hf", "vllm"])
     p.add_argument("--device", default="cpu", help="trainer.device (cpu / cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
         "--compare-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratio"
     )
+    p.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="every response exactly --max-new-tokens tokens in both frameworks (no learning table)",
+    )
+    p.add_argument(
+        "--reward-level",
+        type=float,
+        default=None,
+        help="the learning table's reward level (default: the median of TRL's seeds' best 5-step means)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: print the report of the worker results already in --workdir (same options)",
+    )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--rlkit-override", action="append", default=[], help="extra Hydra override for rlkit")
     p.add_argument("--_worker", choices=["rlkit", "trl"], help=argparse.SUPPRESS)
@@ -285,56 +467,63 @@ def main(argv: list[str] | None = None) -> None:
         Path(args._out).write_text(json.dumps(result, default=float))
         return
 
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     os.makedirs(args.workdir, exist_ok=True)
-    results = {"rlkit": child("rlkit", args, Path(args.workdir) / "rlkit.json")}
-    if args.compare_trl:
-        results["trl"] = child("trl", args, Path(args.workdir) / "trl.json")
+    frameworks = ["rlkit", "trl"] if args.compare_trl else ["rlkit"]
+    out = Path(args.workdir)
+    results = {
+        name: [
+            json.loads((out / f"{name}-seed{seed}.json").read_text())
+            if args.report_only
+            else child(name, seed, args, out / f"{name}-seed{seed}.json")
+            for seed in seeds
+        ]
+        for name in frameworks
+    }
 
-    summary = {"settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "argv"}}
-    for name, res in results.items():
-        secs = step_seconds(res)
-        summary[name] = {
-            "mean_step_s": mean_after_first(secs),
-            "median_step_s": median(secs),
-            "total_s": res["steps"][-1]["seconds"] if res["steps"] else None,
-            "reward_curve": [(s["seconds"], s["reward"]) for s in res["steps"]],
-        }
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "argv"}
+    summary = {
+        "settings": {**settings, "seeds": seeds},
+        "mode": "fixed-length" if args.fixed_length else "natural lengths",
+        "throughput": {name: throughput(runs) for name, runs in results.items()},
+        "runs": {
+            name: [
+                {"seed": run["seed"], "reward_curve": [(s["seconds"], s["reward"]) for s in run["steps"]]}
+                for run in runs
+            ]
+            for name, runs in results.items()
+        },
+    }
     if "trl" in results:
-        r, t = summary["rlkit"], summary["trl"]
-        summary["ratio_step_time"] = r["mean_step_s"] / t["mean_step_s"]
-        # The reward level TRL reaches (best 5-step moving average), and when each framework first gets there.
-        trl_rewards = [x if x is not None else 0.0 for _, x in t["reward_curve"]]
-        window = min(5, len(trl_rewards))
-        level = max(moving_average(trl_rewards, window))
-        summary["reward_level"] = level
-        summary["reward_window"] = window
-        summary["time_to_level_s"] = {n: time_to_reward(results[n], level, window) for n in results}
-        tr, tt = summary["time_to_level_s"]["rlkit"], summary["time_to_level_s"]["trl"]
-        summary["ratio_time_to_level"] = tr / tt if tr is not None and tt else None
+        summary["ratio_step_time"] = (
+            summary["throughput"]["rlkit"]["mean_step_s"] / summary["throughput"]["trl"]["mean_step_s"]
+        )
+    # Learning needs natural lengths (a fixed length makes every response run past its answer), and either
+    # TRL to set the level or a level given.
+    summary["learning"] = None
+    if not args.fixed_length and ("trl" in results or args.reward_level is not None):
+        summary["learning"] = learning(results, args.reward_level, min(5, args.steps))
 
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
         return
-    print(f"\nrlkit: {args.steps} GRPO steps, {args.prompts} prompts x {args.group} samples, {args.model}")
+    print(
+        f"\n{args.steps} GRPO steps, {args.prompts} prompts x {args.group} samples, {args.model}, seeds {seeds}"
+    )
+    print("\nrlkit phases")
     print(rlkit_table(results["rlkit"]))
-    for name in results:
-        s = summary[name]
-        print(
-            f"{name:<6} mean s/step (after step 1) {s['mean_step_s']:.2f}   median {s['median_step_s']:.2f}"
-        )
-    if "trl" in results:
-        print(f"ratio rlkit/TRL seconds per step: {summary['ratio_step_time']:.2f}")
-        print(
-            f"reward level (TRL's best {summary['reward_window']}-step average): {summary['reward_level']:.3f}"
-        )
-        for n, v in summary["time_to_level_s"].items():
-            print(f"  {n:<6} reaches it after {v:.1f} s" if v is not None else f"  {n:<6} never reaches it")
-        if summary["ratio_time_to_level"] is not None:
-            print(f"ratio rlkit/TRL time to that reward: {summary['ratio_time_to_level']:.2f}")
+    print()
+    print(throughput_table(summary))
+    if summary["learning"] is not None:
+        print()
+        print(learning_table(summary["learning"]))
         print("\nreward vs seconds")
-        for n in results:
-            curve = " ".join(f"{t:.0f}s:{r:.2f}" for t, r in summary[n]["reward_curve"] if r is not None)
-            print(f"  {n:<6} {curve}")
+        for name, runs in summary["runs"].items():
+            for run in runs:
+                curve = " ".join(f"{t:.0f}s:{r:.2f}" for t, r in run["reward_curve"] if r is not None)
+                print(f"  {name:<6} seed {run['seed']}: {curve}")
+    elif args.fixed_length:
+        print("\nno learning table: --fixed-length runs every response past its answer; run without it")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,9 @@ class RolloutConfig:
     """Response length cap; longer responses are clipped (finish reason `length`)."""
     stop: list[str] = field(default_factory=list)
     """Extra stop strings besides EOS."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens tokens, never stopping at EOS or a stop string (throughput benchmarks);
+    training rollouts only, evaluation still stops."""
     return_logprobs: bool = True
     """Keep the engine's per-token log-probs (needed by rollout IS / rollout-KL / mismatch metrics)."""
     seed_per_prompt: bool = False

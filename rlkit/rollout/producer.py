@@ -95,6 +95,7 @@ class Producer:
             top_k=0 if eval else r.top_k,
             max_new_tokens=r.max_new_tokens,
             stop=tuple(r.stop),
+            ignore_eos=r.ignore_eos and not eval,
         )
 
     @contextlib.contextmanager

@@ -174,6 +174,27 @@ def test_finish_reasons_and_masks_cover_exactly_up_to_eos(tiny_ckpt, tiny_tokeni
     assert stats["gen_tokens_per_s"] == pytest.approx(stats["gen_tokens"] / stats["gen_seconds"])
 
 
+def test_ignore_eos_generates_exactly_max_new_tokens(tiny_ckpt, tiny_tokenizer, prompts):
+    """The fixed-length mode of throughput benchmarks, against a negative control: the same EOS-prone model
+    and seed stop early without it, and a stop string that would end every row is ignored with it."""
+    model = eos_biased_model(tiny_ckpt, EOS, bias=10.0)  # p(EOS) ~ 0.3 per token
+    engine = HFEngine(model, tiny_tokenizer, seed=0)
+    max_new = 6
+    free = engine.generate(prompts, 4, Sampling(temperature=1.0, max_new_tokens=max_new, seed=1))
+    assert "stop" in free.finish_reasons and min(free.response_lengths.tolist()) < max_new
+    for stop in ((), ("e", " ")):
+        s = Sampling(temperature=1.0, max_new_tokens=max_new, stop=stop, seed=1, ignore_eos=True)
+        batch = engine.generate(prompts, 4, s)
+        assert batch.response_lengths.tolist() == [max_new] * 12
+        assert set(batch.finish_reasons) == {"length"}
+        assert (batch.response_ids == EOS).any(), "EOS was sampled and generation went on past it"
+        assert batch.stats["gen_tokens"] == 12 * max_new
+    # Still the exact sampling distribution's log-probs, EOS tokens mid-response included.
+    torch.testing.assert_close(
+        batch.rollout_logprobs, recompute_logprobs(engine.model, batch, 1.0), atol=1e-4, rtol=0
+    )
+
+
 def test_stop_strings_end_the_response_with_the_stop_string(tiny_ckpt, tiny_tokenizer, prompts):
     target = tiny_tokenizer(" the")["input_ids"]
     assert len(target) == 1

@@ -28,6 +28,9 @@ def test_sampling_params_from_our_sampling():
     assert sampling_params_from(s, 1, seed=123).seed == 123
     assert sampling_params_from(Sampling(top_k=20), 2).top_k == 20
     assert sampling_params_from(Sampling(), 1).stop == []
+    fixed = sampling_params_from(Sampling(stop=("###",), ignore_eos=True), 1)
+    assert fixed.ignore_eos and fixed.stop == [], "fixed length: neither EOS nor a stop string ends a row"
+    assert not sampling_params_from(s, 1).ignore_eos
     with pytest.raises(ValueError, match="n=0"):
         sampling_params_from(s, 0)
 

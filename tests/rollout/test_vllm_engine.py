@@ -45,6 +45,31 @@ def _untie(src: str, dst) -> str:
     return str(dst)
 
 
+def _eos_prone(src: str, dst, bias: float) -> str:
+    """The tiny checkpoint made to stop early, without an lm_head bias (vLLM's Llama has none): hidden
+    dimension 0 is a constant 10 everywhere (the embeddings set it, no layer writes to it), so the final
+    norm's output there is about sqrt(hidden); only EOS's output row reads it, which adds about `bias` to
+    the EOS logit at every position (p(EOS) ~ 0.3 to 0.5 per token over a 49k vocabulary)."""
+    model = load_causal_lm(src)
+    cfg = model.config
+    cfg.tie_word_embeddings = False
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.embed_tokens.weight"][:, 0] = 10.0
+    for i in range(cfg.num_hidden_layers):
+        state[f"model.layers.{i}.self_attn.o_proj.weight"][0] = 0.0
+        state[f"model.layers.{i}.mlp.down_proj.weight"][0] = 0.0
+    head = state["model.embed_tokens.weight"].clone()
+    head[:, 0] = 0.0
+    head[cfg.eos_token_id, 0] = bias / cfg.hidden_size**0.5
+    state["lm_head.weight"] = head
+    prone = type(model)(cfg)
+    prone.load_state_dict(state)
+    prone.generation_config = model.generation_config
+    prone.save_pretrained(dst)
+    load_tokenizer(src).save_pretrained(dst)
+    return str(dst)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     tied = make_tiny_checkpoint(tmp_path_factory.mktemp("vtied"), hidden_size=128, num_layers=2, seed=0)
@@ -132,6 +157,30 @@ def test_same_seed_same_samples_other_seed_other_samples(case, prompts):
     assert not torch.equal(a.response_ids[:, :3], c.response_ids[:, :3])
     # Within a call, the samples of one prompt differ from each other (each has its own stream).
     assert len({tuple(r) for r in a.response_ids[:4].tolist()}) > 1
+
+
+def test_ignore_eos_generates_exactly_max_new_tokens(ckpts, prompts, tmp_path):
+    """The fixed-length mode of throughput benchmarks, against a negative control: the same EOS-prone model
+    and seed stop early without it."""
+    from rlkit.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(
+        _eos_prone(ckpts["tied"], tmp_path, bias=10.0), dtype="float32", seed=0, kv_cache_gib=0.25,
+        max_model_len=512,
+    )  # fmt: skip
+    try:
+        free = engine.generate(prompts, 4, Sampling(temperature=1.0, max_new_tokens=8, seed=1))
+        assert "stop" in free.finish_reasons and min(free.response_lengths.tolist()) < 8
+        for stop in ((), ("e", " ")):
+            s = Sampling(temperature=1.0, max_new_tokens=8, stop=stop, seed=1, ignore_eos=True)
+            batch = engine.generate(prompts, 4, s)
+            assert batch.response_lengths.tolist() == [8] * 12
+            assert set(batch.finish_reasons) == {"length"}
+            assert batch.stats["gen_tokens"] == 12 * 8
+        eos = load_tokenizer(ckpts["tied"]).eos_token_id
+        assert (batch.response_ids == eos).any(), "EOS was sampled and generation went on past it"
+    finally:
+        engine.close()
 
 
 def test_push_perturbed_then_original_weights(case, prompts):

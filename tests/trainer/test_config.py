@@ -207,6 +207,7 @@ BAD = [
     ("rollout.return_logprobs", "maybe", ["rollout.return_logprobs", "maybe"]),
     ("rollout.verify_push", "maybe", ["rollout.verify_push", "maybe"]),
     ("rollout.seed_per_prompt", "maybe", ["rollout.seed_per_prompt", "maybe"]),
+    ("rollout.ignore_eos", "maybe", ["rollout.ignore_eos", "maybe"]),
     (
         "rollout.engine_kwargs",
         {"max_batchsize": 4},

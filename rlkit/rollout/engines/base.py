@@ -30,6 +30,9 @@ class Sampling:
     """Extra stop strings besides EOS (finish reason "stop"); the stop string is kept in the response."""
     seed: int | None = None
     """Seed for this call; None = the engine's running generator."""
+    ignore_eos: bool = False
+    """Generate exactly `max_new_tokens` tokens (or up to the model's context), never stopping at EOS or a
+    stop string: equal lengths for throughput benchmarks. Every row's finish reason is then "length"."""
 
     def __post_init__(self):
         if self.temperature < 0:

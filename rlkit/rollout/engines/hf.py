@@ -92,8 +92,9 @@ class HFEngine:
 
         prompts: B lists of token ids (no padding). Returns a RolloutBatch with N = B * n rows.
         A row stops at an EOS token or at the end of an extra stop string (both kept in the
-        response, finish reason "stop"), or after `max_new_tokens` tokens or at the model's
-        context end (finish reason "length"). Reproducible: the same seed gives the same samples.
+        response, finish reason "stop"; never with `sampling.ignore_eos`), or after `max_new_tokens`
+        tokens or at the model's context end (finish reason "length"). Reproducible: the same seed
+        gives the same samples.
         """
         check_generate_args(prompts, n, self.context, self.model.config.vocab_size)
         if self._sleeping:  # as vLLM does: an engine asked to generate wakes itself
@@ -154,11 +155,13 @@ class HFEngine:
             tokens[:, t] = torch.where(live, token, self.pad_id)
             logps[:, t] = torch.where(live, logp, 0.0)
             lengths += live.long()
-            hit_stop = live & torch.isin(token, eos)
-            if sampling.stop:
-                hit_stop |= live & self._stop_string_hit(tokens, lengths, live, sampling.stop)
-            stopped |= hit_stop
-            done |= hit_stop | (lengths >= limit)
+            if not sampling.ignore_eos:
+                hit_stop = live & torch.isin(token, eos)
+                if sampling.stop:
+                    hit_stop |= live & self._stop_string_hit(tokens, lengths, live, sampling.stop)
+                stopped |= hit_stop
+                done |= hit_stop
+            done |= lengths >= limit
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -68,7 +68,8 @@ def sampling_params_from(sampling: Sampling, n: int, *, seed: int | None = None)
         top_p=sampling.top_p,
         top_k=sampling.top_k,  # 0 = off in vllm 0.32, as in Sampling
         max_tokens=sampling.max_new_tokens,
-        stop=list(sampling.stop) or None,
+        stop=None if sampling.ignore_eos else list(sampling.stop) or None,
+        ignore_eos=sampling.ignore_eos,
         include_stop_str_in_output=True,
         seed=sampling.seed if seed is None else seed,
         logprobs=0,
