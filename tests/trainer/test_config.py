@@ -21,8 +21,20 @@ def test_all_four_recipes_exist():
     assert {"grpo_gsm8k", "ppo_gsm8k", "dr_grpo_gsm8k", "quickstart", "quickstart_1digit"} <= set(RECIPES)
 
 
+@pytest.fixture
+def distill_teacher(tmp_path, monkeypatch):
+    """The working directory a user of +recipe=distill_quickstart has after `make distill-teacher`: a model
+    at ./runs/distill-teacher/checkpoints/step_25/model (here a tiny one with SmolLM2's tokenizer)."""
+    from rlkit.models import make_tiny_checkpoint
+
+    make_tiny_checkpoint(
+        tmp_path / "runs/distill-teacher/checkpoints/step_25/model", hidden_size=16, num_layers=1
+    )
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_composes_and_validates(recipe):
+def test_recipe_composes_and_validates(recipe, distill_teacher):
     cfg = load_config(_compose([f"+recipe={recipe}"]))
     assert cfg.trainer.train_batch_size % cfg.rollout.group_size == 0
     assert cfg.model.path
@@ -422,7 +434,7 @@ def test_a_wrong_type_names_the_key(quickstart):
         load_config(_with(quickstart, "trainer.steps", "abc"))
 
 
-def test_boundary_values_are_accepted(quickstart):
+def test_boundary_values_are_accepted(quickstart, distill_teacher):
     """The edges of the ranges are valid, and so is every recipe."""
     edges = {
         "trainer.max_grad_norm": float("inf"), "trainer.lr": 0.0, "trainer.seed": 0,
