@@ -5,7 +5,7 @@ sync; a tokenizer mismatch is refused before any model loads."""
 
 import pytest
 import torch
-from test_e2e import _launch, _weights, overrides, read_jsonl, tiny, train  # noqa: F401
+from test_e2e import _weights, one_and_two_processes, overrides, tiny, train  # noqa: F401
 
 from rlkit.algos import advantages as adv
 from rlkit.config.schema import ConfigError
@@ -128,20 +128,12 @@ def test_two_processes_with_micro_batches_equal_one_process(tiny, teacher, tmp_p
     processes under FSDP2 (the teacher sharded like the policy) each splitting its rows into micro-batches of
     at most 64 tokens (metrics and weights)."""
     common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *_distill(teacher), "trainer.save_every=2")
-    runs = {}
-    for n, micro, strategy in ((1, 4096, "auto"), (2, 64, "fsdp2")):
-        run_dir = tmp_path / f"np{n}"
-        args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
-        _launch(
-            tmp_path, *args, f"trainer.num_processes={n}", f"trainer.max_tokens_per_microbatch={micro}",
-            f"trainer.strategy={strategy}",
-        )  # fmt: skip
-        runs[n] = run_dir
-    m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
-    assert len(m1) == len(m2) == 2
-    for a, b in zip(m1, m2):
-        for k in ("reward/mean", "distill/reverse_kl", "distill/teacher_logprob", "loss/total", "grad_norm"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    keys = ("reward/mean", "distill/reverse_kl", "distill/teacher_logprob", "loss/total", "grad_norm")
+    extra = {
+        1: ["trainer.max_tokens_per_microbatch=4096"],
+        2: ["trainer.max_tokens_per_microbatch=64", "trainer.strategy=fsdp2"],
+    }
+    runs = one_and_two_processes(tmp_path, common, keys, extra)
     w1, w2 = _weights(runs[1] / "checkpoints/step_2"), _weights(runs[2] / "checkpoints/step_2")
     for k in w1:
         # Adam's per-element normalisation: see test_e2e.test_lora_under_fsdp2_with_two_processes_equals_one

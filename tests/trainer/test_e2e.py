@@ -529,21 +529,29 @@ def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkey
         train(tiny, tmp_path / "w", *LORA, "trainer.lr=0.05")
 
 
-def test_lora_under_fsdp2_with_two_processes_equals_one(tiny, tmp_path):
-    from safetensors.torch import load_file
-
-    common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *LORA, "algo.kl_coef=0.05")
+def one_and_two_processes(tmp_path, common, keys, extra) -> dict[int, Path]:
+    """Launch the overrides `common` (+ `extra[n]`) with 1 and with 2 processes, assert that the `keys` of their
+    2 steps agree (rel 1e-4) and return {n: run directory}."""
     runs = {}
     for n in (1, 2):
         run_dir = tmp_path / f"np{n}"
         args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
-        _launch(tmp_path, *args, f"trainer.num_processes={n}", "trainer.strategy=fsdp2")
+        _launch(tmp_path, *args, f"trainer.num_processes={n}", *extra[n])
         runs[n] = run_dir
     m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
     assert len(m1) == len(m2) == 2
     for a, b in zip(m1, m2):
-        for k in ("reward/mean", "loss/total", "grad_norm", "mismatch/kl", "rollout/kl"):
+        for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    return runs
+
+
+def test_lora_under_fsdp2_with_two_processes_equals_one(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *LORA, "algo.kl_coef=0.05")
+    keys = ("reward/mean", "loss/total", "grad_norm", "mismatch/kl", "rollout/kl")
+    runs = one_and_two_processes(tmp_path, common, keys, {n: ["trainer.strategy=fsdp2"] for n in (1, 2)})
     for part in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         w1, w2 = (load_file(runs[n] / "checkpoints/step_2" / part) for n in (1, 2))
         assert w1.keys() == w2.keys()
