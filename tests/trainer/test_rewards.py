@@ -44,7 +44,8 @@ def test_resolve_names_and_paths():
     assert resolve("math") is math_reward
     assert resolve("rlkit.rewards:format_reward") is format_reward
     assert resolve("rlkit.rewards.format_reward") is format_reward
-    with pytest.raises(ValueError, match=r"reward.fn='nope' is not one of \['math', 'format'\]"):
+    assert resolve("none")("q", "any response", "7") == 0.0  # no task reward (pure distillation)
+    with pytest.raises(ValueError, match=r"reward.fn='nope' is not one of \['math', 'format', 'none'\]"):
         resolve("nope")
     with pytest.raises(ValueError, match="cannot import"):
         RewardScorer("rlkit.rewards:missing")
