@@ -113,8 +113,8 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.group_size = cfg.rollout.group_size
-        self.distill = cfg.algo.distill_coef > 0  # on-policy distillation from algo.teacher
         self.learner = Learner(cfg, self.accelerator)
+        self.distill = self.learner.teacher is not None  # on-policy distillation (algo.distill_coef > 0)
         self.device = self.learner.device
         # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
         peak = device_peak(self.device, self.learner.compute_dtype, t.peak_tflops) if self.is_main else None

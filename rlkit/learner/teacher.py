@@ -41,8 +41,8 @@ def _tokenizer_difference(student, teacher) -> str | None:
     """A short description of how two tokenizers differ, or None when they tokenize alike."""
     if len(student) != len(teacher):
         return f"{len(student)} vs {len(teacher)} tokens"
-    if student.get_vocab() != teacher.get_vocab():
-        sv, tv = student.get_vocab(), teacher.get_vocab()
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    if sv != tv:
         diff = sorted(set(sv.items()) ^ set(tv.items()))[:3]
         return f"different vocabularies (e.g. {diff})"
     for name in ("bos_token_id", "eos_token_id"):
