@@ -177,6 +177,7 @@ class Learner:
         return score(
             model, self.accelerator.unwrap_model(model), inp, temperature=r.temperature, top_k=r.top_k,
             top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens, entropy=entropy, entropy_grad=entropy_grad,
+            compute_dtype=self.compute_dtype,
         )  # fmt: skip
 
     def _values(self, m: Micro) -> Tensor:

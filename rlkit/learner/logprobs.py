@@ -67,7 +67,7 @@ def _chunk_stats(z: Tensor, targets: Tensor, top_k: int, top_p: float):
 def _chunk_logits(h: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float):
     """A chunk's scaled logits z [c, V] float32 (-inf outside the kept set), its logsumexp [c, 1], and
     whether anything was truncated. z is a fresh buffer: the caller may overwrite it."""
-    z = (h.to(weight.dtype) @ weight.t()).float()
+    z = (h.to(weight.dtype) @ weight.t()).float()  # the matmul at the head's (compute) dtype, the rest fp32
     z = z.div_(temperature) if temperature != 1.0 else z
     keep = truncation_mask(z, top_k, top_p)
     if keep is not None:
@@ -93,7 +93,9 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, top_k, top_p, entropy_grad):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, top_k, top_p, entropy_grad, matmul_dtype):
+        ctx.weight_dtype = weight.dtype
+        weight = weight.to(matmul_dtype)  # a bf16 copy under bf16 compute, else weight itself
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(m, dtype=torch.float32, device=hidden.device)
@@ -102,7 +104,7 @@ class _ChunkedHead(torch.autograd.Function):
             z, lse, truncated = _chunk_logits(hidden[s : s + chunk], weight, t, temperature, top_k, top_p)
             logp[s : s + chunk] = z.gather(-1, t[:, None]).squeeze(-1) - lse.squeeze(-1)
             _, ent[s : s + chunk] = _probs_and_entropy(z, lse, truncated)
-        ctx.save_for_backward(hidden, weight, targets)
+        ctx.save_for_backward(hidden, weight, targets)  # weight at the matmul dtype
         ctx.args = (temperature, chunk, top_k, top_p)
         if not entropy_grad:
             ctx.mark_non_differentiable(ent)
@@ -130,9 +132,12 @@ class _ChunkedHead(torch.autograd.Function):
             g = g.div_(temperature) if temperature != 1.0 else g
             if grad_h is not None:
                 grad_h[s : s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_w.addmm_(g.t(), h_c.float())
-        grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None, None, None
+            if weight.dtype == torch.float32:
+                grad_w.addmm_(g.t(), h_c.float())
+            else:  # the product at the matmul dtype (as autocast's backward), the sum over chunks in fp32
+                grad_w.add_(g.to(weight.dtype).t() @ h_c)
+        grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -145,6 +150,7 @@ def chunked_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     entropy_grad: bool = False,
+    matmul_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of `targets` and entropy under the (truncated) sampling distribution, chunked.
 
@@ -152,12 +158,18 @@ def chunked_logprobs(
     `targets` [M] long; weight [V, H] the LM head (bias-free, no soft-capping). Returns (logp [M],
     entropy [M]) float32. Gradients flow to hidden and weight through logp, and through the entropy
     only with `entropy_grad` (else the entropy is a constant: logging only).
+
+    `matmul_dtype` (default: the weight's) is the dtype the head's three matmuls run in (logits, the
+    gradients of hidden and weight); bf16 compute passes bfloat16 for an fp32 master weight, as autocast
+    would for the model's own head. Softmax, log-probs and entropy are fp32 whatever it is, and the
+    weight's gradient is summed over chunks in fp32 and returned in the weight's dtype.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
     return _ChunkedHead.apply(
-        hidden, weight, targets, float(temperature), int(chunk_tokens), int(top_k), float(top_p), entropy_grad
-    )
+        hidden, weight, targets, float(temperature), int(chunk_tokens), int(top_k), float(top_p), entropy_grad,
+        matmul_dtype or weight.dtype,
+    )  # fmt: skip
 
 
 def logprobs_from_logits(
@@ -192,7 +204,8 @@ def chunkable_head(model) -> torch.nn.Module | None:
 
 
 def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float, chunk_tokens: int,
-          entropy: bool, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+          entropy: bool, entropy_grad: bool = False, compute_dtype: torch.dtype = torch.float32,
+          ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Response log-probs [n, t] (with grad when enabled) and per-token entropy [n, t] or None of one
     micro-batch's `inp` (rlkit.learner.batching.Inputs), under the distribution the engines sample from
     (temperature, then top-k / top-p renormalised).
@@ -200,6 +213,8 @@ def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float
     With `chunk_tokens` and a plain linear head, the model returns only its final hidden states and the
     head runs chunk by chunk; else full logits at the scored positions. The entropy carries a gradient only
     with `entropy_grad` (the entropy bonus); otherwise it is a logged constant and costs no graph memory.
+    `compute_dtype` bfloat16 (bf16 compute) runs the chunked head's matmuls in bf16, as the model's own
+    layers run under autocast or FSDP2's mixed precision; an fp32 compute dtype keeps the weight's dtype.
     """
     from torch.distributed.tensor import DTensor
 
@@ -213,9 +228,11 @@ def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float
         weight = head.weight
         if isinstance(weight, DTensor):  # FSDP2 shard outside its module's forward: gather it
             weight = weight.full_tensor()
+        mm = compute_dtype if compute_dtype != torch.float32 else None
         logp, ent = chunked_logprobs(
-            hidden, weight, inp.targets, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, **trunc
-        )
+            hidden, weight, inp.targets, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, matmul_dtype=mm,
+            **trunc,
+        )  # fmt: skip
     else:
         out = model(**kw, logits_to_keep=inp.cols, use_cache=False)
         logp, ent = logprobs_from_logits(out.logits.flatten(0, 1)[inp.take], inp.targets, **trunc)

@@ -475,6 +475,15 @@ def _update_delta(learner, batch):
 
 def _precision_worker(rank, model_dir, compute, out_dir):
     """One process per compute dtype: accelerate's mixed-precision state is per process."""
+    import rlkit.learner.logprobs as logprobs
+
+    head_dtypes, chunked = set(), logprobs.chunked_logprobs
+
+    def spy(*args, **kw):  # the dtype the learner asks the chunked LM head to multiply in
+        head_dtypes.add(kw.get("matmul_dtype"))
+        return chunked(*args, **kw)
+
+    logprobs.chunked_logprobs = spy
     batch = make_batch(n=6, seed=11)
     learner = Learner(config(model_dir, lr=1e-3, compute_dtype=compute))
     out = {"compute_dtype": learner.compute_dtype, "logprobs": learner.forward(batch).logprobs}
@@ -493,6 +502,7 @@ def _precision_worker(rank, model_dir, compute, out_dir):
     resumed = Learner(config(model_dir, lr=1e-2, compute_dtype=compute))
     resumed.load_checkpoint(f"{out_dir}/ckpt-{compute}")
     resumed.update(batches[1])
+    out["head_dtypes"] = head_dtypes
     out["resume_equal"] = all(
         torch.equal(a, b) for (_, a), (_, b) in zip(straight.named_weights(), resumed.named_weights())
     )
@@ -519,6 +529,8 @@ def test_bf16_compute_tracks_fp32_and_keeps_fp32_master_state(precision_runs):
     assert cosine > 0.99, cosine
     assert bf16["param_dtypes"] == {torch.float32}  # fp32 master weights
     assert bf16["state_dtypes"] == {torch.float32}  # and optimizer state
+    # The chunked LM head multiplies in bf16 too (it runs outside the model's autocast).
+    assert bf16["head_dtypes"] == {torch.bfloat16} and fp32["head_dtypes"] == {None}
 
 
 def test_bf16_compute_resumes_exactly(precision_runs):

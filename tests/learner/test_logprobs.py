@@ -171,3 +171,48 @@ def test_critic_values_packed_equal_padded(tiny_model_dir):
         values[pack] = learner.forward(batch, policy=False, values=True).values
     assert values[True].abs().sum() > 0
     torch.testing.assert_close(values[True], values[False], rtol=0, atol=1e-5)
+
+
+def test_chunked_head_multiplies_at_the_matmul_dtype_and_keeps_fp32_master_gradients():
+    """bf16 compute with fp32 master weights: the head's matmuls in bf16 (as autocast would run the model's
+    own head), softmax and the gradient sums in fp32, the weight's gradient returned in fp32.
+
+    Reference: autograd through torch.log_softmax of the full logits computed by a bf16 matmul of the
+    bf16-cast fp32 leaves (what autocast does), unchunked."""
+    g = torch.Generator().manual_seed(3)
+    m, h, v, temp = 41, 64, 500, 0.9
+    hidden = torch.randn(m, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
+    targets = torch.randint(0, v, (m,), generator=g)
+    a, b = torch.randn(m, generator=g), torch.randn(m, generator=g)
+
+    def chunked(mm):
+        logp, ent = chunked_logprobs(
+            hidden, weight, targets, temperature=temp, chunk_tokens=8, entropy_grad=True, matmul_dtype=mm
+        )
+        (logp * a + ent * b).sum().backward()
+        out = (logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone())
+        hidden.grad = weight.grad = None
+        return out
+
+    def full(mm):
+        z = (hidden.to(mm) @ weight.to(mm).t()).float() / temp
+        ls = torch.log_softmax(z, -1)
+        lp, ent = ls.gather(-1, targets[:, None]).squeeze(-1), -(ls.exp() * ls).sum(-1)
+        (lp * a + ent * b).sum().backward()
+        out = (lp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone())
+        hidden.grad = weight.grad = None
+        return out
+
+    got, want, want32 = chunked(torch.bfloat16), full(torch.bfloat16), full(torch.float32)
+    assert got[2].dtype == got[3].dtype == torch.float32  # master gradients stay fp32
+    for x, y, name in zip(got, want, ["logp", "entropy", "grad hidden", "grad weight"]):
+        # Same bf16 products; only the rounding of per-chunk partial sums differs (2^-8 relative).
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2 * y.abs().max().item(), msg=name)
+    # The matmul really ran in bf16: the result is far nearer the bf16 reference than the fp32 one.
+    near = (got[0] - want[0]).abs().mean()
+    far = (got[0] - want32[0]).abs().mean()
+    assert far > 1e-3 and near < far / 10, (near, far)
+    # Default: the weight's dtype (fp32 here) -> equals the fp32 reference.
+    for x, y in zip(chunked(None), want32):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
