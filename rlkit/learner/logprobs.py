@@ -65,15 +65,15 @@ def _chunk_stats(z: Tensor, targets: Tensor, top_k: int, top_p: float):
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float):
-    """A chunk's scaled logits z [c, V] float32 (-inf outside the kept set), its logsumexp [c, 1], and
-    whether anything was truncated. z is a fresh buffer: the caller may overwrite it."""
+    """A chunk's scaled logits z [c, V] float32 (-inf outside the kept set) and whether anything was
+    truncated. z is a fresh buffer: the caller may overwrite it."""
     z = (h.to(weight.dtype) @ weight.t()).float()  # the matmul at the head's (compute) dtype, the rest fp32
     z = z.div_(temperature) if temperature != 1.0 else z
     keep = truncation_mask(z, top_k, top_p)
     if keep is not None:
         keep.scatter_(-1, targets[:, None], True)  # the sampled token always counts as kept
         z.masked_fill_(~keep, float("-inf"))
-    return z, torch.logsumexp(z, -1, keepdim=True), keep is not None
+    return z, keep is not None
 
 
 def _probs_and_entropy(z: Tensor, lse: Tensor, truncated: bool) -> tuple[Tensor, Tensor]:
@@ -86,49 +86,59 @@ def _probs_and_entropy(z: Tensor, lse: Tensor, truncated: bool) -> tuple[Tensor,
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """(hidden [M, H], weight [V, H]) -> (logp [M], entropy [M]) with O(chunk x V) memory both ways.
+    """(hidden [M, H], weight [V, H]) -> (logp [M], entropy [M] or [0]) with O(chunk x V) memory both ways.
 
     At most two [chunk, V] float32 buffers live at once (the logits, turned in place into log-probs
-    and then into the gradient, and the probabilities); nothing of size V is kept for backward.
+    and then into the gradient, and the probabilities); only the logsumexp [M] is kept for backward.
+    Without an entropy gradient the backward needs one buffer: dL/dz = gl * (onehot - exp(z - lse)).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, top_k, top_p, entropy_grad, matmul_dtype):
+    def forward(
+        ctx, hidden, weight, targets, temperature, chunk, top_k, top_p, entropy_grad, matmul_dtype, entropy
+    ):
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None, not a tensor of zeros
         ctx.weight_dtype = weight.dtype
         weight = weight.to(matmul_dtype)  # a bf16 copy under bf16 compute, else weight itself
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        lses = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(m if entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, m, chunk):
             t = targets[s : s + chunk]
-            z, lse, truncated = _chunk_logits(hidden[s : s + chunk], weight, t, temperature, top_k, top_p)
+            z, truncated = _chunk_logits(hidden[s : s + chunk], weight, t, temperature, top_k, top_p)
+            lse = torch.logsumexp(z, -1, keepdim=True)
+            lses[s : s + chunk] = lse.squeeze(-1)
             logp[s : s + chunk] = z.gather(-1, t[:, None]).squeeze(-1) - lse.squeeze(-1)
-            _, ent[s : s + chunk] = _probs_and_entropy(z, lse, truncated)
-        ctx.save_for_backward(hidden, weight, targets)  # weight at the matmul dtype
+            if entropy:
+                _, ent[s : s + chunk] = _probs_and_entropy(z, lse, truncated)
+        ctx.save_for_backward(hidden, weight, targets, lses)  # weight at the matmul dtype
         ctx.args = (temperature, chunk, top_k, top_p)
-        if not entropy_grad:
+        if not (entropy and entropy_grad):
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lses = ctx.saved_tensors
         temperature, chunk, top_k, top_p = ctx.args
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # accumulated in fp32
         for s in range(0, hidden.shape[0], chunk):
-            t, gl = targets[s : s + chunk], grad_logp[s : s + chunk, None]
+            t, lse = targets[s : s + chunk], lses[s : s + chunk, None]
+            gl = grad_logp[s : s + chunk, None] if grad_logp is not None else None
             h_c = hidden[s : s + chunk].to(weight.dtype)
-            z, lse, truncated = _chunk_logits(h_c, weight, t, temperature, top_k, top_p)
-            p, ent = _probs_and_entropy(z, lse, truncated)  # z is now log p
+            z, truncated = _chunk_logits(h_c, weight, t, temperature, top_k, top_p)
             # dL/dz = gl * (onehot - p) - ge * p * (log p + H), built in z's buffer.
             if grad_ent is not None:
-                ge = grad_ent[s : s + chunk, None]
-                g = z.add_(ent[:, None]).mul_(-ge).sub_(gl).mul_(p)
-            else:
-                g = torch.mul(p, gl, out=z).neg_()
-            del p
-            g.scatter_add_(-1, t[:, None], gl)
+                p, ent = _probs_and_entropy(z, lse, truncated)  # z is now log p
+                g = z.add_(ent[:, None]).mul_(-grad_ent[s : s + chunk, None])
+                g = (g.sub_(gl) if gl is not None else g).mul_(p)
+                del p
+            else:  # -gl * p, with p = exp(z - lse) in place (0 outside the kept set)
+                g = z.sub_(lse).exp_().mul_(-gl)
+            if gl is not None:
+                g.scatter_add_(-1, t[:, None], gl)
             g = g.div_(temperature) if temperature != 1.0 else g
             if grad_h is not None:
                 grad_h[s : s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
@@ -137,7 +147,7 @@ class _ChunkedHead(torch.autograd.Function):
             else:  # the product at the matmul dtype (as autocast's backward), the sum over chunks in fp32
                 grad_w.add_(g.to(weight.dtype).t() @ h_c)
         grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -151,7 +161,8 @@ def chunked_logprobs(
     top_p: float = 1.0,
     entropy_grad: bool = False,
     matmul_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor]:
+    entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Log-prob of `targets` and entropy under the (truncated) sampling distribution, chunked.
 
     hidden [M, H] final hidden states (after the last norm) at the positions that predict
@@ -162,14 +173,16 @@ def chunked_logprobs(
     `matmul_dtype` (default: the weight's) is the dtype the head's three matmuls run in (logits, the
     gradients of hidden and weight); bf16 compute passes bfloat16 for an fp32 master weight, as autocast
     would for the model's own head. Softmax, log-probs and entropy are fp32 whatever it is, and the
-    weight's gradient is summed over chunks in fp32 and returned in the weight's dtype.
+    weight's gradient is summed over chunks in fp32 and returned in the weight's dtype. With
+    `entropy=False` the entropy is not computed (None): one exp pass per chunk fewer.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
-    return _ChunkedHead.apply(
+    logp, ent = _ChunkedHead.apply(
         hidden, weight, targets, float(temperature), int(chunk_tokens), int(top_k), float(top_p), entropy_grad,
-        matmul_dtype or weight.dtype,
+        matmul_dtype or weight.dtype, entropy,
     )  # fmt: skip
+    return logp, (ent if entropy else None)
 
 
 def logprobs_from_logits(
@@ -231,7 +244,7 @@ def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float
         mm = compute_dtype if compute_dtype != torch.float32 else None
         logp, ent = chunked_logprobs(
             hidden, weight, inp.targets, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, matmul_dtype=mm,
-            **trunc,
+            entropy=entropy or entropy_grad, **trunc,
         )  # fmt: skip
     else:
         out = model(**kw, logits_to_keep=inp.cols, use_cache=False)

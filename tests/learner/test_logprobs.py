@@ -216,3 +216,42 @@ def test_chunked_head_multiplies_at_the_matmul_dtype_and_keeps_fp32_master_gradi
     # Default: the weight's dtype (fp32 here) -> equals the fp32 reference.
     for x, y in zip(chunked(None), want32):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("uses", ["logp", "entropy", "both"])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (7, 0.6)])
+def test_backward_when_the_loss_uses_one_output_or_both(uses, top_k, top_p):
+    """The backward has three cases (log-prob only: the one-buffer path; entropy only: no log-prob gradient;
+    both), each against autograd through the full log-softmax."""
+    g = torch.Generator().manual_seed(5)
+    m, h, v = 23, 8, 90
+    hidden = torch.randn(m, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (m,), generator=g)
+    a, b = torch.randn(m, generator=g), torch.randn(m, generator=g)
+
+    def loss(lp, ent):
+        return {"logp": (lp * a).sum(), "entropy": (ent * b).sum(), "both": (lp * a + ent * b).sum()}[uses]
+
+    lp, ent = chunked_logprobs(
+        hidden, weight, targets, temperature=1.3, chunk_tokens=6, top_k=top_k, top_p=top_p, entropy_grad=True
+    )
+    loss(lp, ent).backward()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    ls, kept = warped_log_softmax((hidden @ weight.t()) / 1.3, top_k, top_p, targets)
+    loss(
+        ls.gather(-1, targets[:, None]).squeeze(-1), -(ls.exp() * torch.where(kept, ls, 0.0)).sum(-1)
+    ).backward()
+    for x, y in zip(got, (hidden.grad, weight.grad)):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_no_entropy_asked_gives_none_and_the_same_logprobs():
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(9, 8, generator=g), torch.randn(40, 8, generator=g)
+    targets = torch.randint(0, 40, (9,), generator=g)
+    with_ent = chunked_logprobs(hidden, weight, targets, chunk_tokens=4, top_k=5)
+    without = chunked_logprobs(hidden, weight, targets, chunk_tokens=4, top_k=5, entropy=False)
+    assert without[1] is None and with_ent[1].shape == (9,)
+    assert torch.equal(with_ent[0], without[0])
