@@ -51,7 +51,7 @@ from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.timing import Timers, peak_memory_gb
-from rlkit.weights import WeightSyncError
+from rlkit.weights import WeightSyncError, sync_kl_threshold
 
 log = logging.getLogger(__name__)
 
@@ -339,11 +339,12 @@ class Trainer:
 
     def _check_weight_sync(self, metrics: dict[str, float], *, after_push: bool) -> None:
         value = metrics.get("mismatch/kl")
-        threshold = self.cfg.rollout.weight_sync_kl_threshold
+        bf16 = self.learner.compute_dtype == torch.bfloat16 or self.cfg.model.dtype == "bfloat16"
+        threshold = sync_kl_threshold(self.cfg.rollout.weight_sync_kl_threshold, bf16=bf16)
         if value is not None and abs(value) > threshold:
             when = "right after the first weight push" if after_push else "before training (step 0)"
             raise WeightSyncError(
-                f"mismatch/kl={value:.4g} {when} exceeds rollout.weight_sync_kl_threshold={threshold}: the rollout "
+                f"mismatch/kl={value:.4g} {when} exceeds rollout.weight_sync_kl_threshold ({threshold}): the rollout "
                 f"engine's weights differ from the learner's (engine={self.rollouts.engine_name}). The weight push is not "
                 "reaching the engine, or the two load different models/dtypes."
             )

@@ -142,8 +142,9 @@ class RolloutConfig:
     must change); a mismatch is a WeightSyncError naming the tensor. In async mode each rollout worker checks
     its engine against the digests of what the learner sent. Measured cost: about 0.7 s (HF) / 0.45 s (vLLM)
     per push for a 135M model on 2 CPU cores."""
-    weight_sync_kl_threshold: float = 0.05
-    """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error."""
+    weight_sync_kl_threshold: Optional[float] = None
+    """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error; null = 0.05
+    when the learner and the engine compute in fp32, 0.15 with bf16 compute or bf16 weights (measured: docs/benchmarks.md)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the engine constructor."""
     eval_group_size: int = 1

@@ -126,3 +126,13 @@ def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
     full = scored()
     assert ((rb.rollout_logprobs - full)[mask] > 1e-3).all()
     assert mismatch_metrics(full, rb.rollout_logprobs, mask)["mismatch/kl"] > 0.05
+
+
+def test_weight_sync_threshold_defaults_by_precision_and_a_configured_value_wins():
+    from rlkit.weights import sync_kl_threshold
+
+    # bf16 rounding alone reached |mismatch/kl| 0.036 on the quickstart (docs/benchmarks.md): 0.05 would stop
+    # a sound bf16 run by chance; fp32 agrees to ~1e-5, so it keeps the tighter check.
+    assert sync_kl_threshold(None, bf16=False) == 0.05
+    assert sync_kl_threshold(None, bf16=True) == 0.15
+    assert sync_kl_threshold(1e-3, bf16=True) == 1e-3 and sync_kl_threshold(0.3, bf16=False) == 0.3
