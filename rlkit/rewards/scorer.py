@@ -25,12 +25,26 @@ def _init_worker() -> None:
     import math_verify  # noqa: F401  (sympy takes a second or two to import)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel SIGKILLs this process when its parent dies, so no worker outlives the trainer."""
+def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> None:
+    """Linux: the kernel SIGKILLs this process when its parent dies, so no worker outlives the trainer.
+
+    PR_SET_PDEATHSIG fires when the *thread* that started this process exits, not the process. A worker
+    started from another thread (a user's thread pool scoring with a RewardScorer) would die with that
+    thread while the trainer lives on, so it watches its parent's pid instead (every 0.5 s)."""
     import ctypes
     import os
     import signal
 
+    if not started_by_main_thread:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="rlkit-parent-watch").start()
+        return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -39,7 +53,7 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_main(conn, parent_pid: int) -> None:
+def _worker_main(conn, parent_pid: int, started_by_main_thread: bool = True) -> None:
     """A reward worker: one private pipe to the trainer, no lock shared with any other process.
 
     It ignores SIGINT / SIGTERM: a signal sent to the whole process group (Ctrl-C, `timeout`, Slurm,
@@ -50,7 +64,7 @@ def _worker_main(conn, parent_pid: int) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, started_by_main_thread=started_by_main_thread)
     _init_worker()
     serve_requests(conn, lambda task: call_reward(*task))
 
@@ -82,9 +96,11 @@ class _Worker:
 
     def __init__(self, ctx, start_timeout_s: float):
         import os
+        import threading
 
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True)
+        main = threading.current_thread() is threading.main_thread()
+        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid(), main), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False

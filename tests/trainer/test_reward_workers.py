@@ -34,9 +34,8 @@ def bounded(fn, seconds):
 
 
 class Caller:
-    """Like `bounded`, but every call runs in one daemon thread that lives as long as the test: a reward
-    worker dies with the thread that started it (PR_SET_PDEATHSIG fires when that thread exits), so with a
-    thread per call every worker would be killed between two calls."""
+    """Like `bounded`, but every call runs in one daemon thread that lives as long as the test, so the
+    thread that started the workers outlives them and a worker dies only of the signal the test sends."""
 
     def __init__(self):
         self.tasks = queue.Queue()
@@ -156,3 +155,52 @@ def test_close_is_idempotent_and_scorer_restarts_after_it():
     second, _ = bounded(lambda: scorer.score(["q"], ["r"], ["a"]), 120)
     bounded(scorer.close, 30)
     assert int(second.total[0]) != int(first.total[0])
+
+
+def test_workers_started_from_a_thread_outlive_that_thread():
+    """PR_SET_PDEATHSIG fires when the starting *thread* exits: workers a short-lived thread started must
+    not die with it (they watch the parent's pid instead), while the scorer lives."""
+    scorer = RewardScorer("rlkit_test_rewards:pid", num_workers=2)
+    try:
+        first, _ = bounded(
+            lambda: scorer.score(["q"] * 4, ["r"] * 4, ["a"] * 4), 120
+        )  # its thread has exited
+        pids = [w.proc.pid for w in scorer._workers]
+        time.sleep(1.0)
+        assert all(running(p) for p in pids), "a worker died with the thread that started it"
+        second, _ = bounded(lambda: scorer.score(["q"] * 4, ["r"] * 4, ["a"] * 4), 60)
+        assert second.errors == 0 and {int(p) for p in second.total} <= set(pids)  # the same workers
+    finally:
+        bounded(scorer.close, 30)
+
+
+def test_workers_started_from_a_thread_die_with_the_trainer(tmp_path):
+    """...and still die when the process that owns the scorer is SIGKILLed (no pipe close, no cleanup)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from rlkit.rewards import RewardScorer\n"
+        "s = RewardScorer('rlkit_test_rewards:pid', num_workers=2)\n"
+        "t = threading.Thread(target=lambda: s.score(['q'] * 4, ['r'] * 4, ['a'] * 4)); t.start(); t.join()\n"
+        "print(' '.join(str(w.proc.pid) for w in s._workers), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(running(p) for p in pids)
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(running(p) for p in pids), "a worker outlived the process that started it"
+    finally:
+        owner.kill()
+        for p in pids if "pids" in locals() else []:
+            if running(p):
+                os.kill(p, signal.SIGKILL)
