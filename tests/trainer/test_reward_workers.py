@@ -181,12 +181,14 @@ def test_workers_started_from_a_thread_die_with_the_trainer(tmp_path):
 
     script = tmp_path / "owner.py"
     script.write_text(
-        "import sys, threading, time\n"
+        "import threading, time\n"
         "from rlkit.rewards import RewardScorer\n"
-        "s = RewardScorer('rlkit_test_rewards:pid', num_workers=2)\n"
-        "t = threading.Thread(target=lambda: s.score(['q'] * 4, ['r'] * 4, ['a'] * 4)); t.start(); t.join()\n"
-        "print(' '.join(str(w.proc.pid) for w in s._workers), flush=True)\n"
-        "time.sleep(600)\n"
+        "if __name__ == '__main__':  # workers start by spawn, which re-imports this file\n"
+        "    s = RewardScorer('rlkit_test_rewards:pid', num_workers=2)\n"
+        "    t = threading.Thread(target=lambda: s.score(['q'] * 4, ['r'] * 4, ['a'] * 4))\n"
+        "    t.start(); t.join()\n"
+        "    print(' '.join(str(w.proc.pid) for w in s._workers), flush=True)\n"
+        "    time.sleep(600)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
