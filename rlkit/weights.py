@@ -341,7 +341,10 @@ def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
     """Check, tensor by tensor, that the engine holds what the learner exported (`check_engine`); every rank
     calls it (the export's gathers are collectives). Returns the digests to pass as `previous` next time."""
     dtype = engine.weight_dtype
-    return check_engine({name: digest(t.to(dtype)) for name, t in export.tensors()}, engine, previous)
+    sources = engine.digest_sources()
+    read = None if sources is None else set().union(*sources.values())  # what check_engine compares
+    learner = {n: digest(t.to(dtype)) for n, t in export.tensors() if read is None or n in read}
+    return check_engine(learner, engine, previous)
 
 
 def check_engine(learner: dict[str, str], engine, previous: dict | None = None) -> dict:
@@ -354,8 +357,8 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
     push that delivered nothing, or dropped tensors, is caught whatever the learning rate. A mismatch raises
     `WeightSyncError` naming the tensor.
     """
-    held = engine.weight_digests()
     sources = engine.digest_sources()
+    held = engine.weight_digests(None if sources is None else set(sources))
     if sources is None:
         wrong = [n for n, d in learner.items() if held.get(n) != d]
         if wrong or not learner:

@@ -61,8 +61,10 @@ class ModelConfig:
     path: str = ""
     """Hub id, local HF checkpoint dir, or a short name resolved by rlkit.models (e.g. `smollm2-135m`)."""
     dtype: str = "bfloat16"
-    """Parameter / compute dtype of learner and engine: float32 | bfloat16 (float16 is not supported:
-    it needs loss scaling, which the learner does not do)."""
+    """float32 | bfloat16: the rollout engine's weights and compute (the learner pushes its weights cast to
+    it), and the learner's compute when model.compute_dtype is null (bf16 on CUDA or under FSDP2). The
+    learner's weights, gradients and optimizer state are fp32 whatever it is (with LoRA the frozen base is in
+    the compute dtype). float16 is not supported: it needs loss scaling, which the learner does not do."""
     compute_dtype: Optional[str] = None
     """Learner compute: null = bf16 on CUDA or under FSDP2 when model.dtype=bfloat16, else fp32; bfloat16 =
     bf16 matmuls (autocast, or FSDP2's mixed precision) with fp32 master weights, gradients and optimizer

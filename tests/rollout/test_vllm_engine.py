@@ -216,7 +216,11 @@ def test_verify_push_catches_a_push_that_never_arrived(case):
     export = Export(module_manifest(model), lambda: iter_full_parameters(model))
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     before = verify_push(export, engine)  # the engine loaded the same checkpoint: records the digests
-    assert engine.digest_sources(), "vLLM's parameters map to no learner tensor"
+    sources = engine.digest_sources()
+    assert sources, "vLLM's parameters map to no learner tensor"
+    # Only what the check compares is hashed, on both sides.
+    assert before["engine"].keys() == sources.keys()
+    assert before["learner"].keys() == {n for src in sources.values() for n in src}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
@@ -308,3 +312,34 @@ def test_building_the_engine_leaves_the_training_process_alone(case, tmp_path, m
     assert scores.total == [1.0, 0.0, 1.0] and scores.timeouts == 1
     # And the engine still generates after all that.
     assert engine.generate([[1, 2, 3]], 1, Sampling(max_new_tokens=2, seed=0)).response_mask.any()
+
+
+def test_a_bf16_engine_takes_fp32_pushes_rounded_once(ckpts, prompts):
+    """model.dtype=bfloat16 beside the learner's fp32 master weights: vLLM holds bf16 weights; fp32 tensors pushed into it are
+    cast on the way in (the verified push passes, a missing one is still caught), and its log-probs then follow
+    the pushed weights to within bf16 rounding, far nearer them than the weights it had before."""
+    from rlkit.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(ckpts["tied"], dtype="bfloat16", seed=0, kv_cache_gib=0.25, max_model_len=512)
+    try:
+        assert engine.weight_dtype == torch.bfloat16
+        original = load_causal_lm(ckpts["tied"])  # fp32, like the learner's master weights
+        model = load_causal_lm(ckpts["tied"])
+        export = Export(module_manifest(model), lambda: iter_full_parameters(model))
+        before = verify_push(export, engine)  # the engine's bf16 load of the checkpoint
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        with pytest.raises(WeightSyncError, match="did not change"):
+            verify_push(export, engine, before)
+        engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
+        verify_push(export, engine, before)
+        s = Sampling(temperature=0.9, max_new_tokens=10, seed=5)
+        out = engine.generate(prompts, 2, s)
+        mask = out.response_mask
+        to_pushed = (out.rollout_logprobs - recompute(model, out, s))[mask].abs().max()
+        to_original = (out.rollout_logprobs - recompute(original, out, s))[mask].abs().max()
+        assert to_pushed < 0.05 and to_original > 5 * to_pushed
+    finally:
+        engine.close()

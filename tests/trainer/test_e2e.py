@@ -560,3 +560,50 @@ def test_lora_under_fsdp2_with_two_processes_equals_one(tiny, tmp_path):
             # summation-order noise of 1 vs 2 processes moves by up to lr = 0.02 per step in either run.
             # Measured (2026-11-24): one element of 256 differed by 1.3e-4 after 2 steps, the others by < 1e-4.
             torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=5e-4)
+
+
+BF16_ENGINE = ("model.dtype=bfloat16", "model.compute_dtype=float32")
+
+
+def test_a_bf16_engine_beside_an_fp32_learner_holds_every_push_rounded_to_bf16(tiny, tmp_path, monkeypatch):
+    """model.dtype=bfloat16 (the engine's weights) with fp32 learner compute: the engine holds bf16 weights,
+    each push delivers the learner's fp32 master weights rounded to bf16 (the per-tensor digest check passes
+    at every step), the learner's checkpoint stays fp32, and the rollout log-probs differ from the learner's
+    by bf16 rounding: above fp32's agreement (< 1e-4, tested above), below the default bf16 sync threshold."""
+    import rlkit.rollout.local
+
+    held = []  # the engine's weights when the run closes it
+    real_make = rlkit.rollout.local.make_engine
+
+    def recording(*args, **kwargs):
+        engine = real_make(*args, **kwargs)
+        real_close = engine.close
+
+        def close():
+            held.append({k: v.clone() for k, v in engine.model.state_dict().items()})
+            real_close()
+
+        engine.close = close
+        return engine
+
+    monkeypatch.setattr(rlkit.rollout.local, "make_engine", recording)
+    hist = train(tiny, tmp_path / "b", *BF16_ENGINE, "rollout.mismatch_samples=4")
+    (theirs,) = held
+    assert {v.dtype for v in theirs.values()} == {torch.bfloat16}
+    saved = _weights(tmp_path / "b/checkpoints/step_2")
+    initial = _weights_dir(tiny)
+    for k, v in saved.items():
+        assert v.dtype == torch.float32, k
+        assert not torch.equal(v, initial[k].float()), k  # trained
+        assert torch.equal(theirs[k], v.to(torch.bfloat16)), k  # the last push, rounded once
+    for m in hist:
+        assert 1e-4 < m["mismatch/logprob_abs_diff"] and abs(m["mismatch/kl"]) < 0.15
+
+
+def _weights_dir(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

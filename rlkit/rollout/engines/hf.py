@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import Tensor
@@ -230,10 +230,11 @@ class HFEngine:
     def weight_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def weight_digests(self) -> dict[str, str]:
-        """sha256 of every tensor of the push manifest as this engine holds it (rlkit.weights.verify_push)."""
+    def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
+        """sha256 of each tensor of the push manifest (of `names` only, unless None) as this engine holds it
+        (rlkit.weights.verify_push)."""
         params = self.model.state_dict()
-        return {name: digest(params[name]) for name in self.manifest}
+        return {name: digest(params[name]) for name in self.manifest if names is None or name in names}
 
     def digest_sources(self) -> None:
         """None: this engine holds the checkpoint's layout, so a push is checked tensor for tensor."""

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ from rlkit.weights import (
     PushGuard,
     check_manifest,
     clean_param_name,
+    digest,
     engine_sources,
     module_manifest,
     tied_aliases,
@@ -212,6 +213,17 @@ def _close_failed_reload(worker) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
+
+
+def _worker_param_names(worker) -> list[str]:
+    """Runs in the worker: the names of its model's parameters."""
+    return [name for name, _ in worker.model_runner.get_model().named_parameters()]
+
+
+def _worker_digests(worker, names=None) -> dict[str, str]:
+    """Runs in the worker: sha256 of its model's parameters (of `names` only, unless None)."""
+    model = worker.model_runner.get_model()
+    return {n: digest(p) for n, p in model.named_parameters() if names is None or n in names}
 
 
 class VLLMEngine:
@@ -425,11 +437,12 @@ class VLLMEngine:
     def weight_dtype(self) -> torch.dtype:
         return self.dtype
 
-    def weight_digests(self) -> dict[str, str]:
-        """vLLM's own sha256 of every parameter as its worker holds it (stacked, repacked on CPU), by name."""
+    def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
+        """sha256 of each parameter as vLLM's worker holds it (stacked, repacked on CPU), by name: of `names`
+        only (the ones the push check reads: `digest_sources`), or of all."""
         digests = {}
-        for worker in self.llm.collective_rpc("compute_weight_checksums"):
-            digests.update({name.split(":")[-1]: d for name, d in worker.items()})
+        for worker in self.llm.collective_rpc(_worker_digests, kwargs={"names": names}):
+            digests.update(worker)
         return digests
 
     def digest_sources(self) -> dict[str, list[str]]:
@@ -441,7 +454,8 @@ class VLLMEngine:
         the embedding and the norms; the log-prob check (`rollout.weight_sync_kl_threshold`) covers the rest."""
         if self._sources is None:
             tied = {alias: name for name, aliases in self._aliases.items() for alias in aliases}
-            sources = engine_sources(self.weight_digests(), self.manifest, tied)
+            held = set().union(*self.llm.collective_rpc(_worker_param_names))
+            sources = engine_sources(held, self.manifest, tied)
             if self.on_cpu:
                 sources = {
                     e: s for e, s in sources.items() if not any(f".{k}." in f".{e}" for k in _REPACKED)
