@@ -68,7 +68,8 @@ quickstart: install
 # +recipe=distill_quickstart's teacher: the quickstart, seed 0, trained for its 25 steps into runs/distill-teacher
 # (its model: runs/distill-teacher/checkpoints/step_25/model). Run again, it resumes and finds nothing left to do.
 distill-teacher: install
-	$(PY) -m rlkit.train +recipe=quickstart trainer.seed=0 model.compute_dtype=float32 trainer.run_dir=runs/distill-teacher $(ARGS)
+	$(PY) -m rlkit.train +recipe=quickstart trainer.seed=0 model.dtype=float32 model.compute_dtype=float32 \
+		algo.rollout_is.enabled=false trainer.run_dir=runs/distill-teacher $(ARGS)
 
 lint: install-test
 	$(PY) -m ruff check rlkit tests scripts

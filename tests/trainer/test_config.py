@@ -47,10 +47,13 @@ def test_recipe_overrides_group_choice():
     assert not dr.algo.norm_by_std and dr.algo.loss_agg_mode == "seq-mean-token-sum-norm"
     quick = load_config(_compose(["+recipe=quickstart"]))
     assert quick.model.path == "smollm2-135m" and quick.data.path == "arithmetic"
-    assert quick.rollout.engine == "auto" and quick.model.dtype == "float32"
-    assert quick.model.compute_dtype == "bfloat16"  # bf16 matmuls, fp32 master weights (docs/benchmarks.md)
-    # as measured (its teacher need not exist to compose the recipe; load_config would check it)
-    assert _compose(["+recipe=distill_quickstart"]).model.compute_dtype == "float32"
+    # a bf16 engine, bf16 learner compute on fp32 master weights, rollout IS (docs/benchmarks.md)
+    assert quick.rollout.engine == "auto" and quick.model.dtype == "bfloat16"
+    assert quick.model.compute_dtype == "bfloat16" and quick.algo.rollout_is.enabled is True
+    # fp32 as measured (its teacher need not exist to compose the recipe; load_config would check it)
+    distill = _compose(["+recipe=distill_quickstart"])
+    assert distill.model.dtype == distill.model.compute_dtype == "float32"
+    assert distill.algo.rollout_is.enabled is False
     assert quick.algo.dynamic_sampling == "refill"
     assert quick.data.arithmetic_kinds == ["plain_add", "plain_add2"]
 
