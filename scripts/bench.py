@@ -50,7 +50,8 @@ def rlkit_overrides(args) -> list[str]:
     overrides = [
         "+recipe=quickstart_1digit",
         f"model.path={args.model}",
-        f"model.dtype={args.dtype}",
+        f"model.dtype={args.dtype}",  # the engine's weights and compute
+        f"model.compute_dtype={args.dtype}",  # the learner's matmuls (fp32 master weights), like TRL's bf16=True
         f"rollout.engine={args.engine}",
         f"rollout.group_size={args.group}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
@@ -311,7 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default=None, help="comma-separated seeds, one run per seed (default: --seed)")
     p.add_argument("--engine", default="hf", choices=["auto", "hf", "vllm"])
     p.add_argument("--device", default="cpu", help="trainer.device (cpu / cuda)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: bf16 matmuls on fp32 master weights in both (rlkit: model.compute_dtype and a bf16 engine; "
+        "TRL: bf16=True)",
+    )
     p.add_argument(
         "--compare-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratio"
     )
