@@ -68,7 +68,7 @@ def main() -> None:
             line = f"round {r} {key}: {batch.stats['gen_tokens']:.0f} tokens, {times[key]['tok/s'][-1]:.1f} tok/s"
             if args.push:
                 t0 = time.perf_counter()
-                push_weights(export, engine)
+                push_weights(export, engine, dtype=engine.weight_dtype)  # as rlkit.rollout.local pushes
                 t1 = time.perf_counter()
                 digests[key] = verify_push(export, engine, digests[key])
                 times[key]["push s"].append(t1 - t0)

@@ -85,7 +85,8 @@ class LocalRollouts:
         return self.producer.produce(step, timers)
 
     def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
-        stats = push_weights(export, self.engine)
+        # Cast here (a bf16 engine gets bf16: half the bytes, and vLLM warns for every tensor it must cast).
+        stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype)
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)

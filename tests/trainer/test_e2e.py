@@ -275,7 +275,7 @@ def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatc
     # The engine keeps its initial weights while the learner moves (large lr): the check at the step
     # right after the first push must stop the run, also when only 2 samples are re-scored.
     monkeypatch.setattr(
-        rlkit.rollout.local, "push_weights", lambda export, engine: {"bytes": 0, "seconds": 0.0}
+        rlkit.rollout.local, "push_weights", lambda export, engine, **kw: {"bytes": 0, "seconds": 0.0}
     )
     with pytest.raises(WeightSyncError, match="after the first weight push"):
         train(
@@ -297,7 +297,7 @@ def test_every_push_is_verified_at_the_defaults(tiny, tmp_path, monkeypatch, bro
     from rlkit.trainer import WeightSyncError
     from rlkit.weights import Export, push_weights
 
-    def faulty(export, engine):
+    def faulty(export, engine, **kw):
         if broken == "nothing":
             return {"bytes": 0, "seconds": 0.0}
 
@@ -305,7 +305,7 @@ def test_every_push_is_verified_at_the_defaults(tiny, tmp_path, monkeypatch, bro
             for name, tensor in export.tensors():
                 yield name, (tensor + 1.0 if name == "model.norm.weight" else tensor)
 
-        return push_weights(Export(export.manifest, stream), engine)
+        return push_weights(Export(export.manifest, stream), engine, **kw)
 
     monkeypatch.setattr(rlkit.rollout.local, "push_weights", faulty)
     args = [o for o in overrides(tiny, tmp_path / "w") if not o.startswith("trainer.lr")]  # the recipe's lr
@@ -572,24 +572,28 @@ def test_a_bf16_engine_beside_an_fp32_learner_holds_every_push_rounded_to_bf16(t
     by bf16 rounding: above fp32's agreement (< 1e-4, tested above), below the default bf16 sync threshold."""
     import rlkit.rollout.local
 
-    held = []  # the engine's weights when the run closes it
+    held, pushed = [], set()  # the engine's weights when the run closes it; the dtypes pushes bring
     real_make = rlkit.rollout.local.make_engine
 
     def recording(*args, **kwargs):
         engine = real_make(*args, **kwargs)
-        real_close = engine.close
+        real_close, real_load = engine.close, engine.load_weights
 
         def close():
             held.append({k: v.clone() for k, v in engine.model.state_dict().items()})
             real_close()
 
-        engine.close = close
+        def load_weights(named, **kw):
+            return real_load(((n, t) for n, t in named if not pushed.add(t.dtype)), **kw)
+
+        engine.close, engine.load_weights = close, load_weights
         return engine
 
     monkeypatch.setattr(rlkit.rollout.local, "make_engine", recording)
     hist = train(tiny, tmp_path / "b", *BF16_ENGINE, "rollout.mismatch_samples=4")
     (theirs,) = held
     assert {v.dtype for v in theirs.values()} == {torch.bfloat16}
+    assert pushed == {torch.bfloat16}  # cast by the learner's side (vLLM warns for each tensor it casts)
     saved = _weights(tmp_path / "b/checkpoints/step_2")
     initial = _weights_dir(tiny)
     for k, v in saved.items():
