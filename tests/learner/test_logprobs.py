@@ -46,14 +46,20 @@ def test_truncation_mask_keeps_what_transformers_warpers_keep(top_k, top_p):
         assert 1 <= mask.sum(-1).min() and mask.sum(-1).max() < 60
 
 
+def head_inputs(seed: int, m: int, h: int, v: int, weight_scale: float = 0.5):
+    """Random leaves for the chunked head: hidden [m, h] and weight [v, h] (both requiring grad), targets [m],
+    and two [m] loss weights a, b."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(m, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * weight_scale).requires_grad_()
+    targets = torch.randint(0, v, (m,), generator=g)
+    return hidden, weight, targets, torch.randn(m, generator=g), torch.randn(m, generator=g)
+
+
 @pytest.mark.parametrize("top_k,top_p", TRUNCATIONS)
 def test_chunked_logprobs_entropy_and_gradients_equal_full_log_softmax(top_k, top_p):
-    g = torch.Generator().manual_seed(1)
     m, h, v, temp = 37, 16, 300, 0.7
-    hidden = torch.randn(m, h, generator=g, requires_grad=True)
-    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
-    targets = torch.randint(0, v, (m,), generator=g)
-    a, b = torch.randn(m, generator=g), torch.randn(m, generator=g)
+    hidden, weight, targets, a, b = head_inputs(1, m, h, v)
 
     logp, ent = chunked_logprobs(
         hidden, weight, targets, temperature=temp, chunk_tokens=5, top_k=top_k, top_p=top_p, entropy_grad=True
@@ -179,12 +185,8 @@ def test_chunked_head_multiplies_at_the_matmul_dtype_and_keeps_fp32_master_gradi
 
     Reference: autograd through torch.log_softmax of the full logits computed by a bf16 matmul of the
     bf16-cast fp32 leaves (what autocast does), unchunked."""
-    g = torch.Generator().manual_seed(3)
     m, h, v, temp = 41, 64, 500, 0.9
-    hidden = torch.randn(m, h, generator=g, requires_grad=True)
-    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
-    targets = torch.randint(0, v, (m,), generator=g)
-    a, b = torch.randn(m, generator=g), torch.randn(m, generator=g)
+    hidden, weight, targets, a, b = head_inputs(3, m, h, v)
 
     def chunked(mm):
         logp, ent = chunked_logprobs(
@@ -223,12 +225,8 @@ def test_chunked_head_multiplies_at_the_matmul_dtype_and_keeps_fp32_master_gradi
 def test_backward_when_the_loss_uses_one_output_or_both(uses, top_k, top_p):
     """The backward has three cases (log-prob only: the one-buffer path; entropy only: no log-prob gradient;
     both), each against autograd through the full log-softmax."""
-    g = torch.Generator().manual_seed(5)
     m, h, v = 23, 8, 90
-    hidden = torch.randn(m, h, generator=g, requires_grad=True)
-    weight = torch.randn(v, h, generator=g, requires_grad=True)
-    targets = torch.randint(0, v, (m,), generator=g)
-    a, b = torch.randn(m, generator=g), torch.randn(m, generator=g)
+    hidden, weight, targets, a, b = head_inputs(5, m, h, v, weight_scale=1.0)
 
     def loss(lp, ent):
         return {"logp": (lp * a).sum(), "entropy": (ent * b).sum(), "both": (lp * a + ent * b).sum()}[uses]
