@@ -109,14 +109,18 @@ def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, 
     assert state["step"] == 2 and state["data_position"] == 4 and state["wandb_id"]
 
 
-def _weights(ckpt):
+def _weights_dir(path):
+    """Every tensor of the safetensors files in an HF model directory."""
     from safetensors.torch import load_file
 
-    files = sorted((ckpt / "model").glob("*.safetensors"))
     out = {}
-    for f in files:
+    for f in sorted(Path(path).glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+def _weights(ckpt):
+    return _weights_dir(ckpt / "model")
 
 
 def test_exact_resume_four_steps_equal_two_plus_two(tiny, tmp_path):
@@ -602,12 +606,3 @@ def test_a_bf16_engine_beside_an_fp32_learner_holds_every_push_rounded_to_bf16(t
         assert torch.equal(theirs[k], v.to(torch.bfloat16)), k  # the last push, rounded once
     for m in hist:
         assert 1e-4 < m["mismatch/logprob_abs_diff"] and abs(m["mismatch/kl"]) < 0.15
-
-
-def _weights_dir(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
