@@ -1,6 +1,6 @@
 # rlkit: the two set-up commands of the README.
 #   make quickstart   install into .venv/ (with vLLM) and train +recipe=quickstart on the CPU (offline, embedded model)
-#   make test         install into .venv/ (with the vllm, bench and docs extras), run ruff, build the docs site
+#   make test         install into .venv/ (with the vllm, bench, docs and ecosystem extras), run ruff, build the docs site
 #                     (mkdocs build --strict) and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -54,7 +54,7 @@ $(VENV)/.vllm: $(VENV)/.core
 	touch $@
 
 $(VENV)/.test: $(VENV)/.vllm
-	$(PIP) -e ".[dev,bench,docs]"
+	$(PIP) -e ".[dev,bench,docs,ecosystem]"
 	$(UNBREAK)
 	touch $@
 
