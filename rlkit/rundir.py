@@ -296,19 +296,106 @@ def checkpoint_dirs(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     return root / f".tmp-step_{step}", root / f"step_{step}"
 
 
+# What a full device looks like below Python's OSError. safetensors raises a SafetensorError that names the
+# errno ("I/O error: No space left on device (os error 28)"); torch's stream writer (torch.save: accelerate's
+# optimizer.bin and RNG states) a RuntimeError that does not ("basic_ios::clear: iostream error",
+# "[enforce fail at inline_container.cc] unexpected pos N vs M", "PytorchStreamWriter failed writing file"),
+# so the latter counts as "no space left" only when the device is then (almost) full: `_device_full`.
+ENOSPC_TEXTS = ("No space left on device", "os error 28")
+WRITE_ERROR_TEXTS = ("basic_ios::clear", "iostream error", "unexpected pos", "PytorchStreamWriter")
+FULL_BYTES, FULL_FRACTION = 64 << 20, 0.05  # at most this free (and this fraction of the device) is full
+
+
+def _device_full(path: Path) -> bool:
+    """Whether the device holding `path` is full for a checkpoint: a write that failed for lack of space
+    filled it to (nearly) the last block first, so what is left is a sliver; a device with more free than
+    that failed for another reason, and its error is left as it is."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    return usage.free <= min(FULL_BYTES, FULL_FRACTION * usage.total)
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e` and the errors it was raised from (or while handling)."""
+    chain = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    return chain
+
+
+def _file_written(chain: list[BaseException], tmp: Path) -> str:
+    """The file of `tmp` that was being written when the errors of `chain` were raised. torch's and
+    safetensors' errors name none (and safetensors deletes its partial file), so the innermost frame of a
+    traceback whose locals hold a path under `tmp` names it (`save_file(tensors, filename)`, `torch.save(obj,
+    f)`); failing that, the file of `tmp` written last, or `tmp` itself."""
+    root = os.path.abspath(tmp) + os.sep
+    for err in reversed(chain):  # the deepest error first
+        frames, tb = [], err.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for frame in reversed(frames):
+            for value in frame.f_locals.values():
+                if isinstance(value, os.PathLike) or (isinstance(value, str) and len(value) < 4096):
+                    path = os.fspath(value)
+                    if isinstance(path, str) and os.path.abspath(path).startswith(root):
+                        return path
+    files = [p for p in tmp.rglob("*") if p.is_file()] if tmp.is_dir() else []
+    return str(max(files, key=lambda p: p.stat().st_mtime_ns, default=tmp))
+
+
+def no_space_file(e: BaseException, tmp: Path) -> str | None:
+    """The file a write into `tmp` failed on when `e` means the device is full, else None: an `OSError`
+    ENOSPC (anywhere in `e`'s chain), or torch's / safetensors' write error on a device that is full."""
+    chain = _chain(e)
+    for err in chain:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return str(err.filename or _file_written(chain, tmp))
+    texts = [f"{type(err).__name__}: {err}" for err in chain]
+    if any(t in text for text in texts for t in ENOSPC_TEXTS) or (
+        any(t in text for text in texts for t in WRITE_ERROR_TEXTS) and _device_full(tmp.parent)
+    ):
+        return _file_written(chain, tmp)
+    return None
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def no_room_for(final: Path) -> str | None:
+    """Why checkpoint `final` must not be started, or None: the device has less free space than the previous
+    checkpoint takes, so the write would fill it part way (the previous checkpoint is pruned only after the
+    new one is complete, so both must fit)."""
+    previous = latest_checkpoint(final.parent.parent)
+    if previous is None:
+        return None
+    need, free = _size(previous), shutil.disk_usage(final.parent).free
+    if free >= need:
+        return None
+    return (
+        f"no space left on device writing {final}: the device holding {final.parent} has {free / 2**20:.1f} MiB "
+        f"free and the previous checkpoint {previous} takes {need / 2**20:.1f} MiB. Nothing was written; "
+        f"{previous} is intact. Free space (or lower trainer.keep_last) and resume with trainer.resume=auto."
+    )
+
+
 @contextlib.contextmanager
 def writing_checkpoint(tmp: Path, *, main: bool):
     """Around the writing of a checkpoint into `tmp`: on any failure the main process removes `tmp`, and a
-    full disk becomes a `CheckpointError` that says "no space left" and names the file; the previous
-    checkpoint is untouched (nothing is renamed or pruned before the write succeeds)."""
+    full disk becomes a `CheckpointError` that says "no space left" and names the file, whichever layer
+    raised it (`no_space_file`); the previous checkpoint is untouched (nothing is renamed or pruned before
+    the write succeeds)."""
     try:
         yield
     except BaseException as e:
+        full = no_space_file(e, tmp) if isinstance(e, Exception) else None  # before the partial files go
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        if full is not None:
             raise CheckpointError(
-                f"no space left on device writing {e.filename or tmp}: the partial checkpoint {tmp} was removed "
+                f"no space left on device writing {full}: the partial checkpoint {tmp} was removed "
                 f"and the previous checkpoint ({latest_checkpoint(tmp.parent.parent)}) is intact. Free space "
                 "(or lower trainer.keep_last) and resume with trainer.resume=auto."
             ) from e

@@ -367,6 +367,9 @@ class Trainer:
         space left") the temporary directory is removed and the previous checkpoint is left as it was."""
         tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
         self.learner.check_finite(f"step {self.step}: checkpoint {final}", self.run_dir)
+        no_room = rundir.no_room_for(final) if self.is_main else None
+        if (no_room := broadcast_object(no_room, self.world)) is not None:  # every rank stops alike
+            raise rundir.CheckpointError(no_room)
         with rundir.writing_checkpoint(tmp, main=self.is_main):
             self._write_checkpoint(tmp, final)
         log.info("checkpoint written: %s", final)
