@@ -141,8 +141,7 @@ class Learner:
             )
         self.teacher = None  # on-policy distillation's teacher: frozen, never the policy with adapters off
         if teacher.enabled(cfg):
-            dtype = teacher.torch_dtype(cfg, self.compute_dtype)
-            self.teacher = self._prepare_frozen(load_causal_lm(a.teacher.path, dtype=dtype, device="cpu"))
+            self.teacher = self._prepare_frozen(teacher.load(cfg, self.compute_dtype))
 
         self.model, self.optimizer = acc.prepare(policy, optim.adamw(policy, t))
         self.scheduler = optim.scheduler(self.optimizer, t, self.total_steps)
@@ -455,7 +454,8 @@ class Learner:
 
     def check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
         """Stop the run (`NonFiniteError`) after `trainer.max_nonfinite_steps` skipped steps in a row."""
-        optim.check_nonfinite_run(self.nonfinite_run, step, metrics, self.cfg.trainer)
+        teacher_path = self.algo.teacher.path if self.teacher is not None else None
+        optim.check_nonfinite_run(self.nonfinite_run, step, metrics, self.cfg.trainer, teacher=teacher_path)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """`dir/model` (HF format), `dir/value_model` (critic), `dir/state`; every rank must call it."""

@@ -83,17 +83,31 @@ def unschedule(scheduler, skipped: int) -> None:
     scheduler.step()  # recomputes the learning rates of the optimizer's groups at the restored position
 
 
-def check_nonfinite_run(run: int, step: int, metrics: dict[str, float], trainer) -> None:
+def check_nonfinite_run(
+    run: int, step: int, metrics: dict[str, float], trainer, *, teacher: str | None = None
+):
     """Raise `NonFiniteError` once `trainer.max_nonfinite_steps` optimizer steps in a row were skipped: the
-    weights never took a non-finite update, but a run that cannot take a step is not training."""
+    weights never took a non-finite update, but a run that cannot take a step is not training. When the
+    distillation term is what is not finite (`teacher`: algo.teacher.path), the error names the teacher."""
     limit = trainer.max_nonfinite_steps
     if run < limit:
         return
-    raise NonFiniteError(
+    head = (
         f"step {step}: {run} optimizer steps in a row were skipped for a non-finite loss or gradient norm "
         f"(trainer.max_nonfinite_steps={limit}; loss/total={metrics.get('loss/total')}, grad_norm="
         f"{metrics.get('grad_norm')}). Those steps did not change the weights and no checkpoint was written "
-        f"from them. Likely causes: a learning rate too high (trainer.lr={trainer.lr}), rewards out of range "
+        "from them. "
+    )
+    distill = {k: metrics.get(k) for k in ("distill/teacher_logprob", "distill/reverse_kl")}
+    if teacher is not None and any(v is not None and not math.isfinite(v) for v in distill.values()):
+        raise NonFiniteError(
+            head
+            + f"The distillation term is not finite ({', '.join(f'{k}={v}' for k, v in distill.items())}): "
+            f"the teacher algo.teacher.path={teacher!r} gives non-finite log-probs (weights that overflow in "
+            f"algo.teacher.dtype, or a broken checkpoint). Use another teacher, or algo.teacher.dtype=float32."
+        )
+    raise NonFiniteError(
+        head + f"Likely causes: a learning rate too high (trainer.lr={trainer.lr}), rewards out of range "
         f"(reward/mean={metrics.get('reward/mean')}, reward/errors={metrics.get('reward/errors')}), or a loss "
         "term that overflows (algo.* coefficients, bf16). Resume from the last checkpoint with a lower "
         "trainer.lr, or check the reward function."
