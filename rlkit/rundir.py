@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,25 @@ class RunDirLock:
                 fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def unwritable(run_dir: Path) -> str | None:
+    """Why the run could not write its files under `run_dir` (checkpoints included), or None. A file is
+    created and removed in `checkpoints/` (or the nearest folder that exists above it, where the missing ones
+    would be made), so whatever forbids it (permissions, a read-only mount, a full inode table) is found
+    here, before any model loads, and nothing is left behind."""
+    target = run_dir / CHECKPOINTS
+    if target.exists() and not target.is_dir():
+        return f"{target} is a file, not a directory"
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rlkit-write-probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{target} is not writable ({e.strerror or e}): the run could not write its checkpoints there"
+    return None
 
 
 def previous_run(run_dir: str | Path) -> list[str]:

@@ -45,6 +45,7 @@ def preflight(cfg: RLConfig) -> None:
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
+        loading.check_data,  # loads the data (a data error stops the run here)
     ):  # fmt: skip
         check(cfg)
 

@@ -68,6 +68,8 @@ def check_config(cfg: RLConfig) -> None:
     nonempty("trainer.run_dir", t.run_dir)
     if Path(t.run_dir).expanduser().is_file():
         raise ConfigError(f"trainer.run_dir={t.run_dir!r} is a file, not a directory")
+    if (why := rundir.unwritable(Path(t.run_dir).expanduser())) is not None:
+        raise ConfigError(f"trainer.run_dir={t.run_dir!r}: {why}")
     if t.resume not in ("auto", "none") and not Path(t.resume).expanduser().is_dir():
         raise ConfigError(
             f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"

@@ -6,6 +6,7 @@ code path as GSM8K from the hub. `check_config` checks the `data.*` keys before 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -120,8 +121,39 @@ def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
     return builders.pop(), files
 
 
+_LOADED: dict[str, tuple] = {}  # load_splits' results in this process, by `_load_key`
+
+
+def _load_key(cfg: DataConfig, seed: int) -> str:
+    """What `load_splits` depends on: the config, the seed, and each local file's size and mtime."""
+    local = Path(cfg.path).expanduser()
+    files = sorted(local.rglob("*")) if local.is_dir() else [local] if local.is_file() else []
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return json.dumps([dataclasses.asdict(cfg), seed, stats, str(cache_dir())], default=str)
+
+
 def load_splits(cfg: DataConfig, *, seed: int = 0):
-    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows."""
+    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows.
+
+    The preflight loads them (`check_data`: a data error stops the run before any model loads) and the rollout
+    side again: the second call in a process returns the first one's datasets (the files unchanged)."""
+    key = _load_key(cfg, seed)
+    if key not in _LOADED:
+        _LOADED.clear()  # one data config per run: keep only the latest
+        _LOADED[key] = _load_splits(cfg, seed=seed)
+    return _LOADED[key]
+
+
+def check_data(cfg) -> None:
+    """Load local data (files, a directory, the arithmetic set: `load_splits`) in the preflight, so that a
+    data error (a malformed or empty file, a missing column, no usable row, data.eval_size too large) stops
+    the run before any model loads. A hub dataset is left to the rollout side, which downloads it once."""
+    d = cfg.data
+    if d.path == ARITHMETIC or Path(d.path).expanduser().exists():
+        load_splits(d, seed=cfg.trainer.seed)
+
+
+def _load_splits(cfg: DataConfig, *, seed: int = 0):
     import datasets
 
     path = cfg.path

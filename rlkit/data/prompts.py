@@ -27,6 +27,8 @@ class PromptSet:
     them with its own chat template."""
     rows: list[dict] = field(default_factory=list)
     """Every column of each prompt's dataset row."""
+    dropped: int = 0
+    """Rows left out as longer than `data.max_prompt_tokens` (those far too long without being tokenized)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -50,32 +52,61 @@ def render_prompt(question: str, tokenizer, cfg: DataConfig) -> tuple[str, list[
     return text, tokenizer(text).input_ids
 
 
+def max_prompt_chars(tokenizer, cfg: DataConfig) -> int | None:
+    """The most characters a question can have and still fit `cfg.max_prompt_tokens`, or None when the
+    tokenizer has no vocabulary to measure.
+
+    A token stands for at most as many characters as its longest vocabulary entry (byte-level BPE spells each
+    byte as one character, so an entry is never shorter than the text it decodes to; SmolLM2's longest is 81),
+    so a question longer than `max_prompt_tokens` x that cannot fit in any template; x2 is a margin for a
+    normalizer that drops characters before tokenizing. Such a row is dropped without being tokenized, which
+    for a 50 MB row would take minutes."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    longest = max((len(t) for t in get_vocab()), default=1)
+    return 2 * cfg.max_prompt_tokens * max(longest, 1)
+
+
 def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -> PromptSet:
-    """Template and tokenise every row; drop prompts over `cfg.max_prompt_tokens` (count logged)."""
+    """Template and tokenise every row; drop prompts over `cfg.max_prompt_tokens` (count logged), those far
+    too long to ever fit (`max_prompt_chars`) before tokenizing them (one warning)."""
     if cfg.template == "chat" and not getattr(tokenizer, "chat_template", None):
         log.warning("data.template='chat' but the tokenizer has no chat template: using the plain template")
     ids, texts, answers, messages, rows = [], [], [], [], []
     dropped = 0
-    for row in dataset:
-        text, tok = render_prompt(row[cfg.prompt_key], tokenizer, cfg)
+    max_chars, huge = max_prompt_chars(tokenizer, cfg), []
+    for i, row in enumerate(dataset):
+        question = row[cfg.prompt_key]
+        if max_chars is not None and len(question) > max_chars:
+            huge.append((i + 1, len(question)))
+            continue
+        text, tok = render_prompt(question, tokenizer, cfg)
         if len(tok) > cfg.max_prompt_tokens:
             dropped += 1
             continue
         ids.append(tok)
         texts.append(text)
         answers.append(str(row[cfg.answer_key]))
-        messages.append(prompt_messages(row[cfg.prompt_key], cfg))
+        messages.append(prompt_messages(question, cfg))
         rows.append(dict(row))
+    if huge:
+        log.warning(
+            "%s prompts: dropped %d rows of over %d characters without tokenizing them (data.max_prompt_tokens"
+            "=%d could never hold them): %s%s",
+            name, len(huge), max_chars, cfg.max_prompt_tokens,
+            ", ".join(f"row {r} ({n} characters)" for r, n in huge[:5]), " ..." if len(huge) > 5 else "",
+        )  # fmt: skip
     log.info(
         "%s prompts: %d kept, %d dropped (longer than data.max_prompt_tokens=%d)",
         name,
         len(ids),
-        dropped,
+        dropped + len(huge),
         cfg.max_prompt_tokens,
     )
     if not ids:
         raise ValueError(f"no {name} prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens}")
-    return PromptSet(ids, texts, answers, messages, rows)
+    return PromptSet(ids, texts, answers, messages, rows, dropped + len(huge))
 
 
 class PromptOrder:
