@@ -152,7 +152,7 @@ def _check_model(path: str, policy_path: str, tokenizer_size: int) -> None:
             raise ConfigError(
                 f"algo.teacher.path={path!r} holds no *.safetensors weights"
                 + (f", only pickled ones ({', '.join(pickled[:3])})" if pickled else "")
-                + ": rlkit loads weights from safetensors only (unpickling a file can run code). Convert them "
+                + ": rlkit loads a teacher from safetensors only (unpickling a file can run code). Convert it "
                 "once where you trust the file: AutoModelForCausalLM.from_pretrained(path).save_pretrained(path)"
             )
 
