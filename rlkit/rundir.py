@@ -32,7 +32,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -76,21 +75,17 @@ class RunDirLock:
 
 
 def unwritable(run_dir: Path) -> str | None:
-    """Why the run could not write its files under `run_dir` (checkpoints included), or None. A file is
-    created and removed in `checkpoints/` (or the nearest folder that exists above it, where the missing ones
-    would be made), so whatever forbids it (permissions, a read-only mount, a full inode table) is found
-    here, before any model loads, and nothing is left behind."""
+    """Why the run could not write its files under `run_dir` (checkpoints included), or None. The kernel is
+    asked (`access(2)`, which answers for root too: a read-only mount, an immutable folder) about
+    `checkpoints/`, or the nearest folder that exists above it, where the missing ones would be made; nothing
+    is written, so a run directory that is refused later (trainer.resume=none) is left untouched."""
     target = run_dir / CHECKPOINTS
     if target.exists() and not target.is_dir():
         return f"{target} is a file, not a directory"
     while not target.exists() and target != target.parent:
         target = target.parent
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".rlkit-write-probe-", dir=target)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return f"{target} is not writable ({e.strerror or e}): the run could not write its checkpoints there"
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"{target} is not writable: the run could not write its checkpoints there"
     return None
 
 
