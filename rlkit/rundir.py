@@ -1,6 +1,6 @@
 """The run directory: its layout and its guards (the only module that knows where files go).
 
-    <run_dir>/rlkit.lock  metrics.jsonl  config.json  curves.png  .hydra/
+    <run_dir>/rlkit.lock  metrics.jsonl  samples.jsonl  config.json  curves.png  .hydra/
     <run_dir>/checkpoints/step_<k>/{model, state, trainer_state.json, ...}   (.tmp-step_<k> while written)
 
 The guards are checked on rank 0 before any model loads:
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "rlkit.lock"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # trainer.log_samples: generated samples, one JSON object per line
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"  # its presence marks a checkpoint complete
