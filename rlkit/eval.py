@@ -32,7 +32,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit.algos.evaluation import mean_and_spread, stderr
-from rlkit.config.rules import local_path_exists
 from rlkit.config.schema import CONFIG_DIR, ConfigError, RLConfig, register_configs, to_dict
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model
 from rlkit.rollout.evaluation import EvalSettings, default_ks, per_prompt, summarize
@@ -68,7 +67,9 @@ def _merge_adapter(adapter: Path, base: str | None, out: Path) -> str:
 
     base = base or PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
     if not base:
-        raise ConfigError(f"eval.model={str(adapter)!r} is a LoRA adapter without a base model: set eval.base")
+        raise ConfigError(
+            f"eval.model={str(adapter)!r} is a LoRA adapter without a base model: set eval.base"
+        )
     model = PeftModel.from_pretrained(load_causal_lm(base), str(adapter)).merge_and_unload()
     model.save_pretrained(out)
     has_tokenizer = any((adapter / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -131,7 +132,12 @@ def _aggregate(per_seed: list[list], ks: list[int]) -> dict[str, dict[str, dict]
             seed_means = [float(v[key].mean()) for v in values]
             mean, spread = mean_and_spread(seed_means)
             prompt_avg = sum(v[key] for v in values) / len(values)
-            row[key] = {"mean": mean, "stderr": stderr(prompt_avg), "seed_std": spread, "per_seed": seed_means}
+            row[key] = {
+                "mean": mean,
+                "stderr": stderr(prompt_avg),
+                "seed_std": spread,
+                "per_seed": seed_means,
+            }
         out[task] = row
     return out
 
@@ -184,8 +190,15 @@ def evaluate_model(cfg: RLConfig, output: str | Path) -> dict:
     report = {
         "model": identity,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"n": n, "temperature": temperature, "ks": ks, "seeds": seeds, "task_key": e.task_key,
-                     "prompts": len(per_seed[0]), "engine": rollouts.engine_name},  # fmt: skip
+        "settings": {
+            "n": n,
+            "temperature": temperature,
+            "ks": ks,
+            "seeds": seeds,
+            "task_key": e.task_key,
+            "prompts": len(per_seed[0]),
+            "engine": rollouts.engine_name,
+        },  # fmt: skip
         "metrics": metrics,
         "per_seed": [
             {"seed": s, "summary": summarize(results, ks), "prompts": [r.record() for r in results]}
@@ -218,8 +231,6 @@ def main_from_config(cfg: DictConfig, output: str | Path) -> dict:
     with read_write(cfg):
         OmegaConf.resolve(cfg)
     config = load_config(cfg)  # the schema's rules and every component's checks, before any model loads
-    local_path_exists("eval.model", config.eval.model)
-    local_path_exists("eval.base", config.eval.base)
     return evaluate_model(config, output)
 
 

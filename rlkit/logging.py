@@ -185,7 +185,8 @@ class MetricsLogger:
 
             columns = ["step", "prompt", "response", "reward", "parts", "correct", "finish_reason", "length"]
             table = wandb.Table(
-                columns=columns, data=[[json.dumps(r[c]) if c == "parts" else r[c] for c in columns] for r in rows]
+                columns=columns,
+                data=[[json.dumps(r[c]) if c == "parts" else r[c] for c in columns] for r in rows],
             )
             self.run.log({f"samples/{kind}": table}, step=step)
 

@@ -362,10 +362,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """pass@k, maj@k, reward of the current weights on the held-out split (rlkit/rollout/evaluation.py)."""
         metrics = self.rollouts.evaluate(self.step)
-        # sync mode: the evaluation's samples (async: evaluated in the rollout workers, not shown)
-        results = getattr(self.rollouts, "last_eval", [])
-        if self.cfg.trainer.log_samples and self.logger is not None:
-            self.logger.log_samples(eval_rows(results, self.cfg.trainer.log_samples, self.step), self.step, "eval")
+        if self.cfg.trainer.log_samples and self.logger is not None:  # (async: the workers keep theirs)
+            rows = eval_rows(self.rollouts.last_eval, self.cfg.trainer.log_samples, self.step)
+            self.logger.log_samples(rows, self.step, "eval")
         return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------

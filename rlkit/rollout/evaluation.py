@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from rlkit.algos.evaluation import maj_at_k, pass_at_k, stderr
+from rlkit.config.rules import local_path_exists
 from rlkit.config.schema import ConfigError
 from rlkit.rewards import extract_answer
 from rlkit.rollout.producer import sampling_seed
@@ -85,7 +87,9 @@ def evaluate_prompts(producer, prompts, settings: EvalSettings, *, rank: int = 0
     if mine:
         n = settings.n
         sampling = dataclasses.replace(producer.sampling(eval=True), temperature=settings.temperature)
-        episodes = producer.episodes(prompts, mine, n, sampling, sampling_seed(settings.seed, 0, rank, salt=1))
+        episodes = producer.episodes(
+            prompts, mine, n, sampling, sampling_seed(settings.seed, 0, rank, salt=1)
+        )
         results = _score(producer.scorer, prompts, mine, n, episodes, task_key)
     if world > 1:
         import torch.distributed as dist
@@ -112,16 +116,26 @@ def _score(scorer, prompts, mine: list[int], n: int, episodes, task_key: str) ->
     ]
     answers = [extract_answer(scorer.spec_for(row), r) for row, r in zip(rows, responses)]
     lengths = rb.response_lengths.tolist()
-    tools = episodes.stats["tool_calls"].float().tolist() if "tool_calls" in episodes.stats else [0.0] * len(rows)
+    tools = (
+        episodes.stats["tool_calls"].float().tolist() if "tool_calls" in episodes.stats else [0.0] * len(rows)
+    )
     out = []
     for j, i in enumerate(mine):
         s = slice(j * n, (j + 1) * n)
         task = prompts.rows[i].get(task_key) if prompts.rows else None
         out.append(
             PromptResult(
-                index=i, prompt=prompts.texts[i], task=None if task is None else str(task), n=n,
-                correct=correct[s], rewards=total[s], answers=answers[s], responses=responses[s],
-                finish_reasons=list(rb.finish_reasons[s]), lengths=lengths[s], parts=parts[s],
+                index=i,
+                prompt=prompts.texts[i],
+                task=None if task is None else str(task),
+                n=n,
+                correct=correct[s],
+                rewards=total[s],
+                answers=answers[s],
+                responses=responses[s],
+                finish_reasons=list(rb.finish_reasons[s]),
+                lengths=lengths[s],
+                parts=parts[s],
                 tool_calls=float(sum(tools[s])),
             )  # fmt: skip
         )
@@ -180,7 +194,8 @@ def training_metrics(summary: dict[str, dict[str, float]], ks: list[int]) -> dic
 
 
 def check_config(cfg) -> None:
-    """The `eval.*` keys: each k >= 1, seeds >= 0, several greedy samples refused (raises ConfigError)."""
+    """The `eval.*` keys: each k >= 1, seeds >= 0, several greedy samples refused, local paths exist, the
+    output is a file (raises ConfigError)."""
     e = cfg.eval
     for k in e.ks:
         if k is None or k < 1:
@@ -198,3 +213,9 @@ def check_config(cfg) -> None:
         )
     if not e.task_key:
         raise ConfigError("eval.task_key='' must name a dataset column (absent columns are fine)")
+    local_path_exists("eval.model", e.model)
+    local_path_exists("eval.base", e.base)
+    if e.output is not None and Path(e.output).expanduser().is_dir():
+        raise ConfigError(
+            f"eval.output={e.output!r} is a directory: name the JSON file to write (e.g. {e.output}/eval.json)"
+        )

@@ -24,9 +24,14 @@ from rlkit.rewards import RewardScorer
 from rlkit.rewards.model import RewardModel
 from rlkit.rollout.engines import make_engine
 from rlkit.rollout.evaluation import (
-    EvalSettings, PromptResult, default_ks, evaluate_prompts, summarize, training_metrics,
-)  # fmt: skip
-from rlkit.rollout.producer import Producer, sampling_seed
+    EvalSettings,
+    PromptResult,
+    default_ks,
+    evaluate_prompts,
+    summarize,
+    training_metrics,
+)
+from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
 from rlkit.weights import Export, push_weights, verify_push
 
@@ -104,7 +109,9 @@ class LocalRollouts:
         if self.eval_prompts is None:
             return {}
         settings = EvalSettings(
-            n=self.cfg.rollout.eval_group_size, temperature=self.cfg.rollout.eval_temperature, seed=self.cfg.trainer.seed
+            n=self.cfg.rollout.eval_group_size,
+            temperature=self.cfg.rollout.eval_temperature,
+            seed=self.cfg.trainer.seed,
         )
         self.last_eval = self.evaluate_prompts(settings)
         ks = default_ks(self.cfg.eval.ks, settings.n)

@@ -20,10 +20,14 @@ def train_rows(produced: ScoredBatch, tokenizer, limit: int, step: int) -> list[
         ids = rb.prompt_ids[i][rb.prompt_mask[i].bool()].tolist()
         rows.append(
             {
-                "step": step, "kind": "train", "prompt": tokenizer.decode(ids), "response": rb.response_texts[i],
+                "step": step,
+                "kind": "train",
+                "prompt": tokenizer.decode(ids),
+                "response": rb.response_texts[i],
                 "reward": float(produced.rewards[i]),
                 "parts": {k: float(v[i]) for k, v in produced.per_fn.items()},
-                "correct": bool(produced.correct[i] > 0), "finish_reason": rb.finish_reasons[i],
+                "correct": bool(produced.correct[i] > 0),
+                "finish_reason": rb.finish_reasons[i],
                 "length": int(rb.response_lengths[i]),
             }  # fmt: skip
         )
@@ -39,9 +43,15 @@ def eval_rows(results: list[PromptResult], limit: int, step: int) -> list[dict]:
                 return rows
             rows.append(
                 {
-                    "step": step, "kind": "eval", "prompt": r.prompt, "response": r.responses[j],
-                    "reward": r.rewards[j], "parts": r.parts[j], "correct": r.correct[j],
-                    "finish_reason": r.finish_reasons[j], "length": r.lengths[j],
+                    "step": step,
+                    "kind": "eval",
+                    "prompt": r.prompt,
+                    "response": r.responses[j],
+                    "reward": r.rewards[j],
+                    "parts": r.parts[j],
+                    "correct": r.correct[j],
+                    "finish_reason": r.finish_reasons[j],
+                    "length": r.lengths[j],
                 }  # fmt: skip
             )
     return rows

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from rlkit.algos.evaluation import maj_at_k, majority_vote, mean_and_spread, paired_difference, pass_at_k, stderr
+from rlkit.algos.evaluation import (
+    maj_at_k,
+    majority_vote,
+    mean_and_spread,
+    paired_difference,
+    pass_at_k,
+    stderr,
+)
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -37,9 +44,7 @@ def test_pass_at_k_edge_cases_by_hand():
 
 def test_pass_at_k_is_stable_for_large_n():
     # C(1000, 500) overflows a float; the product form does not. 1 - C(990, 10)/C(1000, 10) by logs:
-    exact = 1 - math.exp(
-        math.lgamma(991) - math.lgamma(981) - math.lgamma(1001) + math.lgamma(991)
-    )
+    exact = 1 - math.exp(math.lgamma(991) - math.lgamma(981) - math.lgamma(1001) + math.lgamma(991))
     assert float(pass_at_k([1000], [10], 10)[0]) == pytest.approx(exact, rel=1e-9)
     assert 0.0 <= float(pass_at_k([1000], [3], 500)[0]) <= 1.0
 

@@ -29,7 +29,9 @@ def _dataset(root: Path) -> Path:
             task = "add" if i % 2 == 0 else "sub"
             a, b = 3 + i, 2 + i % 3
             op = "+" if task == "add" else "-"
-            rows.append({"question": f"What is {a} {op} {b}?", "answer": f"#### {TASKS[task](a, b)}", "task": task})
+            rows.append(
+                {"question": f"What is {a} {op} {b}?", "answer": f"#### {TASKS[task](a, b)}", "task": task}
+            )
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -57,7 +59,20 @@ def trained(tiny, tmp_path_factory):  # noqa: F811
     mp.setenv("WANDB_MODE", "offline")
     mp.setenv("WANDB_DIR", str(root / "wb"))
     try:
-        hist = run(load_config(compose(_overrides(tiny, root / "run", data, "logger=wandb", "trainer.log_samples=100", "model.lora.rank=4"))))
+        hist = run(
+            load_config(
+                compose(
+                    _overrides(
+                        tiny,
+                        root / "run",
+                        data,
+                        "logger=wandb",
+                        "trainer.log_samples=100",
+                        "model.lora.rank=4",
+                    )
+                )
+            )
+        )
     finally:
         mp.undo()
     return root, data, hist
@@ -72,7 +87,9 @@ def test_rlkit_eval_gives_training_evaluation_numbers_on_its_checkpoint(tiny, tr
         assert total[key]["mean"] == pytest.approx(in_loop[f"eval/{key}"], abs=1e-12), key
         assert total[key]["stderr"] == pytest.approx(in_loop[f"eval/{key}_stderr"], abs=1e-12), key
     for task in TASKS:
-        assert report["metrics"][task]["pass@1"]["mean"] == pytest.approx(in_loop[f"eval/pass@1/{task}"], abs=1e-12)
+        assert report["metrics"][task]["pass@1"]["mean"] == pytest.approx(
+            in_loop[f"eval/pass@1/{task}"], abs=1e-12
+        )
         assert report["metrics"][task]["prompts"] == 3
     # eval.json keeps each prompt's n and correct count: pass@k recomputed from them by a naive loop
     on_disk = json.loads(Path(out).read_text())
@@ -101,7 +118,9 @@ def test_samples_jsonl_rewards_match_the_logged_reward_mean_and_wandb_holds_the_
     (wandb_file,) = (root / "wb").glob("wandb/offline-run-*/run-*.wandb")
     rows = history(wandb_file)
     tables = {(r["_step"], key.rsplit("/", 1)[0]): r for r in rows for key in r if key.endswith("/_type")}
-    assert {(1, "samples/train"), (2, "samples/train"), (0, "samples/eval"), (2, "samples/eval")} <= set(tables)
+    assert {(1, "samples/train"), (2, "samples/train"), (0, "samples/eval"), (2, "samples/eval")} <= set(
+        tables
+    )
     row = tables[(1, "samples/train")]
     assert row["samples/train/_type"] == "table-file" and row["samples/train/nrows"] == 8
     # the table's file in the offline run holds the rows of samples.jsonl
@@ -130,7 +149,9 @@ def test_seeds_give_a_mean_and_spread_and_greedy_with_several_samples_is_refused
     from rlkit.config.schema import ConfigError
 
     root, data, _ = trained
-    report, _ = _evaluate(tiny, tmp_path, data, root / "run" / "checkpoints" / "step_2", "eval.seeds=[0,5]", "eval.n=2")
+    report, _ = _evaluate(
+        tiny, tmp_path, data, root / "run" / "checkpoints" / "step_2", "eval.seeds=[0,5]", "eval.n=2"
+    )
     p1 = report["metrics"]["total"]["pass@1"]
     per_seed = [s["summary"]["total"]["pass@1"] for s in report["per_seed"]]
     assert p1["per_seed"] == pytest.approx(per_seed) and p1["mean"] == pytest.approx(sum(per_seed) / 2)
