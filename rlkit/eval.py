@@ -11,7 +11,7 @@ standard error over prompts and its mean and spread over seeds, each prompt's n 
 samples (any pass@k can be recomputed), the model's identity (path, sha256 of its weight files) and the
 config. `--cfg job` prints the composed config (Hydra's own) without running.
 
-    python -m rlkit.eval +recipe=quickstart eval.model=runs/quickstart/checkpoints/step_25 eval.seeds=[0,1,2]
+    python -m rlkit.eval +recipe=quickstart eval.model=runs/quickstart/checkpoints/step_25 'eval.seeds=[0,1,2]'
     python scripts/compare_evals.py step0/eval.json step25/eval.json     # paired difference of pass@1
 """
 
