@@ -242,7 +242,7 @@ def main(cfg: DictConfig) -> None:
     main_from_config(cfg, output)
 
 
-def _default_output_dir(argv: list[str]) -> list[str]:
+def default_output_dir(argv: list[str]) -> list[str]:
     """Hydra's output dir for an evaluation: outputs/eval/<date>/<time> (never the training run's directory,
     which `hydra.run.dir: ${trainer.run_dir}` would pick), unless the command line sets one."""
     if any(a.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for a in argv):
@@ -252,5 +252,5 @@ def _default_output_dir(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.argv = [sys.argv[0], *_default_output_dir(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *default_output_dir(sys.argv[1:])]
     main()
