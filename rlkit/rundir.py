@@ -119,9 +119,14 @@ def check_world_size(checkpoint: str | Path, world_size: int) -> None:
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> int:
-    """Cut `metrics.jsonl` back to the lines of steps 0..`step` (none when `step` is 0: the run starts over,
-    step-0 eval included), dropping lines a torn write left unreadable. Returns the number of lines dropped."""
-    path = Path(run_dir) / METRICS_FILE
+    """Cut `metrics.jsonl` (and `samples.jsonl`) back to the lines of steps 0..`step` (none when `step` is 0:
+    the run starts over, step-0 eval included), dropping lines a torn write left unreadable. Returns the
+    number of metrics lines dropped."""
+    _truncate_jsonl(Path(run_dir) / SAMPLES_FILE, step)
+    return _truncate_jsonl(Path(run_dir) / METRICS_FILE, step)
+
+
+def _truncate_jsonl(path: Path, step: int) -> int:
     if not path.exists():
         return 0
     keep, dropped = [], 0
@@ -135,7 +140,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{METRICS_FILE}.tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
         log.warning(
