@@ -8,8 +8,8 @@ folder, a peft LoRA adapter folder (merged onto its base first), a hub id or a s
 model.path). For every seed of `eval.seeds` it draws `eval.n` samples per prompt, prints a table (one row
 per task of the `eval.task_key` column, plus the total) and writes `eval.json`: every metric with its
 standard error over prompts and its mean and spread over seeds, each prompt's n and number of correct
-samples (any pass@k can be recomputed), the model's identity (path, sha256 of its weight files) and the
-config. `--cfg job` prints the composed config (Hydra's own) without running.
+samples (any pass@k can be recomputed) and every sample's response, the model's identity (path, sha256 of
+its weight files) and the config. `--cfg job` prints the composed config (Hydra's own) without running.
 
     python -m rlkit.eval +recipe=quickstart eval.model=runs/quickstart/checkpoints/step_25 'eval.seeds=[0,1,2]'
     python scripts/compare_evals.py step0/eval.json step25/eval.json     # paired difference of pass@1
@@ -198,10 +198,14 @@ def evaluate_model(cfg: RLConfig, output: str | Path) -> dict:
             "task_key": e.task_key,
             "prompts": len(per_seed[0]),
             "engine": rollouts.engine_name,
-        },  # fmt: skip
+        },
         "metrics": metrics,
         "per_seed": [
-            {"seed": s, "summary": summarize(results, ks), "prompts": [r.record() for r in results]}
+            {
+                "seed": s,
+                "summary": summarize(results, ks),
+                "prompts": [r.record(with_samples=True) for r in results],
+            }
             for s, results in zip(seeds, per_seed)
         ],
         "config": to_dict(cfg),
