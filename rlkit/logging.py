@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rlkit.rundir import SAMPLES_FILE
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("wandb", "console", "none")  # logger.backend
@@ -169,6 +171,24 @@ class MetricsLogger:
                 f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, (int, float))
             )
             print(f"[step {step}] {shown}", flush=True)
+
+    def log_samples(self, rows: list[dict], step: int, kind: str) -> None:
+        """Append `rows` (rlkit/rollout/samples.py) to `<run_dir>/samples.jsonl` and log them as the W&B table
+        `samples/<kind>` (train or eval) at `step`."""
+        if not rows:
+            return
+        with open(self.run_dir / SAMPLES_FILE, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            import wandb
+
+            columns = ["step", "prompt", "response", "reward", "parts", "correct", "finish_reason", "length"]
+            table = wandb.Table(
+                columns=columns,
+                data=[[json.dumps(r[c]) if c == "parts" else r[c] for c in columns] for r in rows],
+            )
+            self.run.log({f"samples/{kind}": table}, step=step)
 
     def close(self) -> None:
         self._jsonl.close()

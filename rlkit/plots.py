@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
     # pass@k keys depend on rollout.eval_group_size: draw whichever the run logged.
-    pass_at = sorted({k for row in rows for k in row if k.startswith("eval/pass@") and k != "eval/pass@1"})
+    pass_at = sorted(
+        {k for row in rows for k in row if re.fullmatch(r"eval/pass@\d+", k) and k != "eval/pass@1"}
+    )
     panels = []
     for title, keys in PANELS:
         if title == "accuracy":

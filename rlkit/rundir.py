@@ -1,6 +1,6 @@
 """The run directory: its layout and its guards (the only module that knows where files go).
 
-    <run_dir>/rlkit.lock  metrics.jsonl  config.json  curves.png  .hydra/
+    <run_dir>/rlkit.lock  metrics.jsonl  samples.jsonl  config.json  curves.png  .hydra/
     <run_dir>/checkpoints/step_<k>/{model, state, trainer_state.json, ...}   (.tmp-step_<k> while written)
 
 The guards are checked on rank 0 before any model loads:
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "rlkit.lock"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # trainer.log_samples: generated samples, one JSON object per line
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"  # its presence marks a checkpoint complete
@@ -133,9 +134,14 @@ def check_world_size(checkpoint: str | Path, world_size: int) -> None:
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> int:
-    """Cut `metrics.jsonl` back to the lines of steps 0..`step` (none when `step` is 0: the run starts over,
-    step-0 eval included), dropping lines a torn write left unreadable. Returns the number of lines dropped."""
-    path = Path(run_dir) / METRICS_FILE
+    """Cut `metrics.jsonl` (and `samples.jsonl`) back to the lines of steps 0..`step` (none when `step` is 0:
+    the run starts over, step-0 eval included), dropping lines a torn write left unreadable. Returns the
+    number of metrics lines dropped."""
+    _truncate_jsonl(Path(run_dir) / SAMPLES_FILE, step)
+    return _truncate_jsonl(Path(run_dir) / METRICS_FILE, step)
+
+
+def _truncate_jsonl(path: Path, step: int) -> int:
     if not path.exists():
         return 0
     keep, dropped = [], 0
@@ -149,7 +155,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{METRICS_FILE}.tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
         log.warning(

@@ -26,7 +26,7 @@ from rlkit.collectives import free_port
 from rlkit.config.rules import local_path_exists, parse
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
-from rlkit.rollout import engines, producer
+from rlkit.rollout import engines, evaluation, producer
 from rlkit.rollout.remote import client
 from rlkit.trainer import run
 
@@ -45,6 +45,7 @@ def preflight(cfg: RLConfig) -> None:
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
+        evaluation.check_config,
         loading.check_data,  # loads the data (a data error stops the run here)
     ):  # fmt: skip
         check(cfg)

@@ -50,6 +50,7 @@ from rlkit.models import load_tokenizer
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.client import AsyncRollouts
+from rlkit.rollout.samples import eval_rows, train_rows
 from rlkit.timing import Timers, peak_memory_gb
 from rlkit.weights import WeightSyncError, sync_kl_threshold
 
@@ -135,6 +136,7 @@ class Trainer:
         self.step = 0
         self.wandb_id = None
         self._stop_signal: int | None = None
+        self._samples: list[dict] = []  # trainer.log_samples rows of the current step
         if resume_from is not None:
             self._load_checkpoint(resume_from)
 
@@ -180,6 +182,8 @@ class Trainer:
         # 1-2. generate and reward (+ environment turns, overlong shaping, dynamic sampling): in this
         # process (rlkit/rollout/local.py) or from the rollout workers (rlkit/rollout/remote/).
         produced = self.rollouts.produce(self.step, timers)
+        if self.cfg.trainer.log_samples and self.is_main:  # logged with the step's metrics
+            self._samples = train_rows(produced, self.tokenizer, self.cfg.trainer.log_samples, self.step + 1)
         return self.learn(produced, timers, step_start)
 
     def learn(self, produced: ScoredBatch, timers: Timers, step_start: float) -> dict[str, float]:
@@ -358,8 +362,12 @@ class Trainer:
         return bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
 
     def evaluate(self) -> dict[str, float]:
-        """pass@1 (and pass@k) of the current weights on the held-out split (rlkit/rollout/local.py)."""
-        return self.rollouts.evaluate(self.step)
+        """pass@k, maj@k, reward of the current weights on the held-out split (rlkit/rollout/evaluation.py)."""
+        metrics = self.rollouts.evaluate(self.step)
+        if self.cfg.trainer.log_samples and self.logger is not None:  # (async: the workers keep theirs)
+            rows = eval_rows(self.rollouts.last_eval, self.cfg.trainer.log_samples, self.step)
+            self.logger.log_samples(rows, self.step, "eval")
+        return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -473,6 +481,8 @@ class Trainer:
             # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
             if self.logger is not None:
                 self.logger.log(metrics, step=self.step)
+                self.logger.log_samples(self._samples, self.step, "train")
+            self._samples = []
             # Before the checkpoint: the last one written stays the last good one.
             self.learner.check_nonfinite(self.step, metrics)
             if bar is not None:

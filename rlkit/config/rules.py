@@ -133,6 +133,9 @@ RANGES: dict[str, Range] = {
     "trainer.logprob_chunk_tokens": _ge(0),  # 0 = full logits
     "trainer.max_staleness": _ge(0),
     "trainer.rollout_gpus": _ge(1),
+    "trainer.log_samples": _ge(0),
+    "eval.n": _ge(1),
+    "eval.temperature": _ge(0),
     "env.max_turns": _ge(1),
     "env.max_total_tokens": _ge(1),
     "env.timeout_s": _gt(0),

@@ -147,6 +147,63 @@ def is_correct(spec: str, value: float, threshold: float) -> bool:
     return bool(verdict(value)) if verdict is not None else value >= threshold
 
 
+def answer_with(parser: Callable[[str], str | None]) -> Callable:
+    """Declare how to extract a reward function's final answer from a response, for maj@k voting
+    (rlkit.eval): `parser(response) -> str | None` (None: no answer, the sample does not vote). Two responses
+    vote together when their parsed answers are equal strings. `math` declares its own (math-verify's
+    parse of the final answer); a function without one uses `final_answer`.
+
+        @answer_with(lambda response: response.strip().split()[-1] if response.strip() else None)
+        def last_word(prompt, response, answer) -> float: ...
+    """
+
+    def mark(fn: Callable) -> Callable:
+        fn.rlkit_answer = parser
+        return fn
+
+    return mark
+
+
+def final_answer(response: str) -> str | None:
+    """The default answer of a response: the text after its last `####` (commas removed), None without one."""
+    if _ANSWER_MARK not in response:
+        return None
+    return response.split(_ANSWER_MARK)[-1].strip().replace(",", "") or None
+
+
+def math_answer(response: str) -> str | None:
+    """The math reward's answer: math-verify's parse of the final answer (what `math_reward` verifies),
+    as a string, so "46", "46.0" and "\\boxed{46}" vote together; None when nothing parses."""
+    from math_verify import parse
+
+    parsed = parse(_response_final(response))
+    if not parsed:
+        return None
+    value = parsed[0]
+    try:  # a number votes by its value (46 and 46.0 agree)
+        import sympy
+
+        if isinstance(value, sympy.Number):
+            value = sympy.nsimplify(value)
+    except Exception:  # math-verify's objects are sympy's, but a failure to simplify only costs a split vote
+        pass
+    return str(value)
+
+
+math_reward.rlkit_answer = math_answer
+
+
+def extract_answer(spec: str, response: str) -> str | None:
+    """The answer reward function `spec` reads in `response` (see `answer_with`); never raises (None)."""
+    parser = getattr(resolve(spec), "rlkit_answer", final_answer)
+    try:
+        out = parser(response)
+    except Exception as e:  # a parser must never take an evaluation down: the sample does not vote
+        log.debug("answer parser of %s raised %s: %s", spec, type(e).__name__, e)
+        return None
+    return None if out is None else str(out)
+
+
 _FIXED = ("prompt", "response", "answer", "prompts", "responses", "answers")
 
 

@@ -180,6 +180,10 @@ class RewardScorer:
         for w in workers:
             w.kill()
 
+    def spec_for(self, row: dict) -> str:
+        """The main reward function of a sample with dataset columns `row` (its route, or `fn`)."""
+        return self._spec(self.main, row)
+
     def _spec(self, slot: str, row: dict) -> str:
         """The function that scores `slot` for a sample: the main slot follows the sample's route."""
         if slot != self.main or self.route_by is None:

@@ -23,7 +23,15 @@ from rlkit.data.prompts import PromptOrder, build_prompts
 from rlkit.rewards import RewardScorer
 from rlkit.rewards.model import RewardModel
 from rlkit.rollout.engines import make_engine
-from rlkit.rollout.producer import Producer, sampling_seed
+from rlkit.rollout.evaluation import (
+    EvalSettings,
+    PromptResult,
+    default_ks,
+    evaluate_prompts,
+    summarize,
+    training_metrics,
+)
+from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
 from rlkit.weights import Export, push_weights, verify_push
 
@@ -63,6 +71,7 @@ class LocalRollouts:
             reward_model = RewardModel(
                 cfg.reward.model, device=device, batch_size=cfg.reward.model_batch_size, dtype=reward_dtype
             )
+        self.last_eval: list[PromptResult] = []  # the last evaluation's prompts (evaluate)
         self.digests: dict | None = None  # of the last verified push (rlkit.weights.verify_push)
         self.producer = Producer(
             cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=rank, world=world,
@@ -94,52 +103,26 @@ class LocalRollouts:
         return stats
 
     def evaluate(self, version: int) -> dict[str, float]:
-        """pass@1 (and pass@k with rollout.eval_group_size = k > 1) on the held-out split; never masked.
-
-        Every producing rank takes every `world`-th problem; the sums are reduced over those ranks.
-        """
+        """The `eval/*` metrics of the engine's weights `version` on the held-out split (never masked):
+        pass@k (unbiased) and maj@k for eval.ks, mean reward, standard errors, per-task pass@1. The
+        prompts' results stay in `last_eval` (rank 0 logs `trainer.log_samples` of them)."""
         if self.eval_prompts is None:
             return {}
-        k = self.cfg.rollout.eval_group_size
-        mine = list(range(self.rank, len(self.eval_prompts), self.world))
-        # correct samples, samples, prompts with any correct, tool calls
-        sums = torch.zeros(4, device=self.device)
-        if mine:
-            episodes = self.producer.episodes(
-                self.eval_prompts, mine, k, self.producer.sampling(eval=True),
-                # The same seed at every evaluation (common random numbers): two evaluations draw the same
-                # random numbers, so their difference measures the policy's change, not sampling noise.
-                sampling_seed(self.cfg.trainer.seed, 0, self.rank, salt=1),
-            )  # fmt: skip
-            rb = episodes.rollout
-            texts = [self.eval_prompts.texts[i] for i in mine for _ in range(k)]
-            answers = [self.eval_prompts.answers[i] for i in mine for _ in range(k)]
-            rows = [self.eval_prompts.rows[i] for i in mine for _ in range(k)]
-            # The task's verdict: the main reward function's (rlkit.rewards.correct_when).
-            scores = self.scorer.score(
-                texts, list(rb.response_texts), answers, rows=rows, only=[self.scorer.main]
-            )
-            correct = torch.tensor(scores.correct, device=self.device)
-            correct = torch.where(episodes.failed.to(self.device), 0.0, correct)  # a failed episode scores 0
-            per_prompt = correct.reshape(len(mine), k)
-            sums = torch.stack(
-                [
-                    correct.sum(),
-                    torch.tensor(float(correct.numel()), device=self.device),
-                    (per_prompt > 0).any(-1).float().sum(),
-                    episodes.stats["tool_calls"].sum().to(self.device),
-                ]
-            )
-        if self.world > 1:
-            import torch.distributed as dist
+        settings = EvalSettings(
+            n=self.cfg.rollout.eval_group_size,
+            temperature=self.cfg.rollout.eval_temperature,
+            seed=self.cfg.trainer.seed,
+        )
+        self.last_eval = self.evaluate_prompts(settings)
+        ks = default_ks(self.cfg.eval.ks, settings.n)
+        return training_metrics(summarize(self.last_eval, ks), ks)
 
-            sums = sums.clone()
-            dist.all_reduce(sums)
-        sums = sums.tolist()
-        out = {"eval/pass@1": sums[0] / max(sums[1], 1), "eval/tool_calls": sums[3] / max(sums[1], 1)}
-        if k > 1:
-            out[f"eval/pass@{k}"] = sums[2] / max(sums[1] / k, 1)
-        return out
+    def evaluate_prompts(self, settings: EvalSettings) -> list[PromptResult]:
+        """Every eval prompt's samples under `settings` (rlkit/rollout/evaluation.py; rlkit.eval calls this)."""
+        return evaluate_prompts(
+            self.producer, self.eval_prompts, settings, rank=self.rank, world=self.world,
+            task_key=self.cfg.eval.task_key,
+        )  # fmt: skip
 
     def checkpoint(self, directory) -> dict:
         """What trainer_state.json records for the rollout side (every prompt consumed so far)."""

@@ -20,14 +20,14 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PLACEHOLDER = re.compile(r"[A-Z]{2,}(?:_[A-Z]+)*|<[^>]*>|\.\.\.|\bS\b|/data/|my-org/|my_rewards:|my_confs")
 
 
-def _commands(prefix: str) -> list[tuple[str, str]]:
+def _commands(prefix: str, stop: str = "`#|,") -> list[tuple[str, str]]:
     """(page:line, command) of every `prefix ...` in code: fenced lines and `inline` spans."""
     out = []
     for page in PAGES:
         text = page.read_text()
         text = re.sub(r"\\\n\s*", " ", text)  # shell line continuations
         for n, line in enumerate(text.splitlines(), 1):
-            for m in re.finditer(re.escape(prefix) + r"[^`#|,]*", line):
+            for m in re.finditer(re.escape(prefix) + f"[^{stop}]*", line):
                 cmd = m.group(0).strip().rstrip(".,;:)")
                 out.append((f"{page.relative_to(REPO)}:{n}", cmd))
     return out
@@ -46,6 +46,16 @@ def test_every_launch_line_composes_and_passes_the_rules(where, cmd):
     args = [a for a in args if not a.startswith("hydra.searchpath")]  # a user folder of recipes
     if any(a.startswith("+recipe=mine") for a in args):
         pytest.skip("a recipe of the user's own folder")  # tests/misc/test_wheel.py runs that case
+    parse(compose(args), world_size=1)
+
+
+# Lists such as 'eval.seeds=[0,1,2]' hold commas (quoted for the shell).
+EVAL = [(w, cmd) for w, cmd in _commands("python -m rlkit.eval", stop="`#|") if not PLACEHOLDER.search(cmd)]
+
+
+@pytest.mark.parametrize("where,cmd", EVAL, ids=[w for w, _ in EVAL])
+def test_every_eval_line_composes_and_passes_the_rules(where, cmd):
+    args = [a for a in shlex.split(cmd)[3:] if a not in ("--cfg", "job")]
     parse(compose(args), world_size=1)
 
 

@@ -6,7 +6,7 @@
     2 machines   learner/, rollout/engines/
     3 rollout    rollout/ (episodes, producer, local, scored, remote/)
     4 loop       trainer
-    5 entry      train
+    5 entry      train, eval
 
 An import points to the same or a lower layer; there is no circle; learner/ and rollout/ never import each
 other; a `_private` name never crosses a module border; an import inside a function only defers a heavy
@@ -43,7 +43,7 @@ HEAVY = {
 
 
 def layer(module: str) -> int:
-    if module == "rlkit.train":
+    if module in ("rlkit.train", "rlkit.eval"):
         return 5
     if module == "rlkit.trainer":
         return 4

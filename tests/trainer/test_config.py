@@ -300,6 +300,12 @@ BAD = [
     ("logger.entity", [1], ["logger.entity"]),
     ("logger.name", "", ["logger.name='' must be a non-empty string"]),
     ("logger.tags", ["x" * 65], ["logger.tags", "must be 1 to 64 characters"]),
+    ("eval.model", "./no-such-checkpoint", ["eval.model='./no-such-checkpoint' does not exist"]),
+    ("eval.base", "/no/such/base", ["eval.base='/no/such/base' does not exist"]),
+    ("eval.ks", [1, 0], ["eval.ks=[1, 0]", "every k must be an integer >= 1"]),
+    ("eval.seeds", [0, -3], ["eval.seeds=[0, -3]", "every seed must be an integer >= 0"]),
+    ("eval.task_key", "", ["eval.task_key=''"]),
+    ("eval.output", ".", ["eval.output='.' is a directory"]),
     # cross-key rules whose key is numeric
     ("algo.vf_coef", 0.0, ["algo.vf_coef=0 never trains the critic"], {"algo": "ppo"}),
     (
@@ -342,6 +348,7 @@ OUT_OF_RANGE = {
     "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
     "trainer.max_staleness": -1, "trainer.rollout_gpus": 0, "trainer.max_nonfinite_steps": 0,
+    "trainer.log_samples": -1, "eval.n": 0, "eval.temperature": -0.5,
 }  # fmt: skip
 
 

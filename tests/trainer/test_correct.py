@@ -2,6 +2,9 @@
 (a reward of at least reward.correct_threshold, or the function's own @correct_when verdict), whatever the
 task; and an advantage estimator registered from outside the package trains."""
 
+import inspect
+from pathlib import Path
+
 import torch
 from rlkit_test_rewards import length_target, lenient
 from test_e2e import overrides, tiny  # noqa: F401
@@ -14,12 +17,13 @@ from rlkit.trainer import run
 
 
 def _spy_scores(monkeypatch) -> list[tuple[list[str], bool]]:
-    """Every (responses, eval?) the scorer sees; eval scores only the main function."""
+    """Every (responses, eval?) the scorer sees; an evaluation's calls come from rlkit/rollout/evaluation.py."""
     calls = []
     real = RewardScorer.score
 
     def score(self, prompts, responses, answers, **kw):
-        calls.append((list(responses), kw.get("only") is not None))
+        from_eval = any(Path(f.filename).match("rlkit/rollout/evaluation.py") for f in inspect.stack())
+        calls.append((list(responses), from_eval))
         return real(self, prompts, responses, answers, **kw)
 
     monkeypatch.setattr(RewardScorer, "score", score)

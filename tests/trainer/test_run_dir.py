@@ -71,3 +71,16 @@ def test_hydra_output_and_run_share_one_directory_whatever_the_clock(tmp_path, h
         assert [p.name for p in (tmp_path / "runs").iterdir()] == [got["name"]]
     else:
         assert run_dir == (tmp_path / hydra_dir).resolve()
+
+
+def test_a_resume_cuts_samples_jsonl_back_with_metrics_jsonl(tmp_path):
+    """trainer.log_samples rows of the steps a resumed run redoes are dropped, as their metrics lines are."""
+    import json
+
+    from rlkit.rundir import SAMPLES_FILE, truncate_metrics
+
+    rows = [{"step": s, "kind": k, "reward": 0.5} for s in range(4) for k in ("train", "eval")]
+    (tmp_path / SAMPLES_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "tor')
+    truncate_metrics(tmp_path, 2)
+    kept = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
+    assert [r["step"] for r in kept] == [0, 0, 1, 1, 2, 2]

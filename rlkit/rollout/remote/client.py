@@ -93,6 +93,7 @@ class AsyncRollouts:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.schedule = Schedule(t.max_staleness, t.steps)
         self.pending: deque[Pending] = deque()  # received, not trained
+        self.last_eval: list = []  # the workers evaluate and send back metrics only (no samples to log)
         self.shares: dict[int, dict[int, BatchShare]] = {}  # batch index -> worker -> its share
         self.position = 0  # data position after the last granted batch
         self.evals: dict[int, dict] = {}
