@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.spawn as mp_spawn
 import os
 import pickle
 import time
@@ -162,8 +163,12 @@ def context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process.
+    # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process,
+    # and take this process's main module as already run, so that no worker runs it again.
     os.environ["RLKIT_ENV_FORKSERVER_PARENT"] = str(os.getpid())
+    prepared = mp_spawn.get_preparation_data("rlkit-env-worker")
+    os.environ["RLKIT_ENV_MAIN_NAME"] = prepared.get("init_main_from_name", "")
+    os.environ["RLKIT_ENV_MAIN_PATH"] = prepared.get("init_main_from_path", "")
     ctx.set_forkserver_preload(["rlkit.envs.forkserver"])
     return ctx
 

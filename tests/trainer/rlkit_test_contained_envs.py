@@ -131,3 +131,14 @@ def hogging(prompt, response, answer):
     hoard = []
     while True:
         hoard.append(bytearray(32 << 20))
+
+
+class KillsForkServer(Environment):
+    """A step that SIGKILLs its parent, the fork server the workers come from."""
+
+    def step(self, text):
+        import signal
+
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(5)
+        return None, 0.0, True

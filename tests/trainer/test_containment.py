@@ -160,6 +160,39 @@ def test_a_fork_loop_is_capped_and_killed(tmp_path, cap_mode):
     assert pids and _wait_dead(pids) == []
 
 
+MAIN = """
+import sys, time
+with open(sys.argv[1], "a") as f:
+    f.write("main ran\\n")  # in the trainer, and (before the fix) again in every worker
+if __name__ == "__main__":
+    from rlkit.envs.workers import EnvWorkers
+    for batch in range(2):
+        start = time.monotonic()
+        w = EnvWorkers("rlkit_test_contained_envs:KillsForkServer", {}, 4, timeout_s=20)
+        made = w.call("make", {k: () for k in range(4)})
+        steps = w.call("step", {k: ("a",) for k in range(4)})
+        w.close()
+        print("BATCH", batch, sorted(s for s, _ in made.values()), sorted(s for s, _ in steps.values()),
+              round(time.monotonic() - start, 1), flush=True)
+"""
+
+
+def test_workers_never_rerun_the_trainers_main_and_a_killed_fork_server_is_replaced_at_once(tmp_path):
+    script, marks = tmp_path / "trainer_main.py", tmp_path / "marks"
+    script.write_text(MAIN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, str(script), str(marks)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert marks.read_text().count("main ran") == 1  # 1 + 8 on main: each worker ran the script again
+    batches = [line for line in out.stdout.splitlines() if line.startswith("BATCH")]
+    assert len(batches) == 2
+    for i, line in enumerate(batches):  # built; every step fails (the fork server died), well within 60 s
+        assert line.startswith(f"BATCH {i} ['ok', 'ok', 'ok', 'ok'] ['error', 'error', 'error', 'error'] ")
+        assert float(line.split()[-1]) < 20
+
+
 # -- the constructor -------------------------------------------------------------------------------------
 
 
