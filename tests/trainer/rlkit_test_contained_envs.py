@@ -16,14 +16,21 @@ def _record(path, pids):
 
 
 class Hog(Environment):
-    """Each step keeps allocating 32 MB blocks (a leak) until it fails."""
+    """Each step keeps allocating 32 MB blocks (a leak) until it fails; `lazy` blocks are never written
+    (numpy.empty: the cap counts them, the machine's RAM does not: for tests with many workers)."""
 
-    def __init__(self):
-        self.hoard = []
+    stop = (" ", "e")  # a random model's turns end within a few tokens, so steps happen
+
+    def __init__(self, lazy=False, record=None):
+        self.hoard, self.lazy, self.record = [], lazy, record
 
     def step(self, text):
+        if self.record is not None:  # and leaves 2 sleepers behind
+            _record(self.record, [subprocess.Popen(["sleep", "600"]).pid for _ in range(2)])
+        import numpy
+
         while True:
-            self.hoard.append(bytearray(32 << 20))
+            self.hoard.append(numpy.empty(32 << 20, numpy.uint8) if self.lazy else bytearray(32 << 20))
 
 
 class Spinners(Environment):
@@ -125,6 +132,10 @@ def leaves_a_child(prompt, response, answer, record):
     """Starts a sleeper it never waits for; 1.0."""
     _record(record, [subprocess.Popen(["sleep", "600"]).pid])
     return 1.0
+
+
+def five_million(prompt, response, answer):
+    return list(range(5_000_000))
 
 
 def hogging(prompt, response, answer):

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_episodes import _run, encode, tiny_dir, tok  # noqa: F401  (the tiny model's tokenizer, a scripted engine)
+from test_e2e import tiny  # noqa: F401  (the tiny model)
+from test_episodes import _run, encode, tiny_dir, tok  # noqa: F401  (its tokenizer, a scripted engine)
 
 from rlkit.config.schema import ConfigError, RLConfig
 from rlkit.envs import check_config
@@ -20,7 +21,7 @@ from rlkit.envs.base import check_step
 from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits
 from rlkit.rewards import RewardScorer, containment
 from rlkit.rewards.containment import ProcessCap
-from rlkit.rewards.functions import reward_number
+from rlkit.rewards.functions import call_reward, reward_number
 
 M = "rlkit_test_contained_envs"
 
@@ -94,7 +95,14 @@ def test_a_memory_hog_fails_its_own_episode_and_workers_are_the_oom_killers_firs
     finally:
         workers.close()
     # Through the episode runner: the batch finishes, both episodes end with reward 0 and are counted.
-    _, _, _, out = _run(tok, [encode(tok, "Hello")], env=f"{M}:Hog", n=2, limits=Limits(memory_limit_mb=300))
+    _, _, _, out = _run(
+        tok,
+        [encode(tok, "Hello")],
+        env=f"{M}:Hog",
+        n=2,
+        env_kwargs={"lazy": True},
+        limits=Limits(memory_limit_mb=300),
+    )
     assert out.errors == 2 and out.failed.all() and out.timeouts == 0
 
 
@@ -111,6 +119,29 @@ def test_a_reward_function_that_hogs_memory_or_leaves_a_child_is_contained(tmp_p
     assert scores.errors == 1 and scores.timeouts == 0  # the hog: a MemoryError in its worker, not a crash
     (child,) = _recorded(record)
     assert _wait_dead([child]) == []  # killed at the end of the batch
+
+
+def test_a_reward_function_returning_a_huge_list_gets_a_short_message_at_once():
+    start = time.monotonic()
+    ((value, error),) = call_reward(f"{M}:five_million", [("p", "r", "a", {})])
+    assert value == 0.0 and error == "non-numeric reward: list of 5000000 elements: [0, 1, 2, 3, 4, 5, ...]"
+    assert time.monotonic() - start < 5  # 11 s and a 25 MB message before
+
+
+def test_a_run_with_a_memory_hog_that_leaves_processes_finishes_and_counts_it(tiny, tmp_path):  # noqa: F811
+    """End to end: every step of every episode leaves 2 sleepers and then leaks memory past a 200 MB cap.
+    The run finishes, each episode is an error, and no sleeper is alive after the run."""
+    from test_e2e import train
+
+    record = tmp_path / "pids"
+    metrics = train(
+        tiny, tmp_path / "run", "trainer.steps=2", "env.name=rlkit_test_contained_envs:Hog",
+        "+env.kwargs.lazy=true", f"+env.kwargs.record={record}", "env.memory_limit_mb=200",
+        "env.max_turns=3", "env.max_total_tokens=64", "rollout.max_new_tokens=8", "trainer.eval_at_start=false",
+    )  # fmt: skip
+    assert [m["env/errors"] for m in metrics] == [8, 8] and all(m["env/timeouts"] == 0 for m in metrics)
+    pids = _recorded(record)
+    assert len(pids) >= 2 * 8 * 2 and _wait_dead(pids) == []  # 2 per step of each episode
 
 
 # -- processes -------------------------------------------------------------------------------------------
