@@ -9,8 +9,8 @@ The check on the parent's pid keeps any other process that imports this module f
 
 It also marks the fork server's `__main__` as the trainer's main module (name or path, from the trainer's
 multiprocessing preparation data), so that multiprocessing does not run that module again in each worker
-it forks: the trainer's main is `rlkit.train` or a user's script, which imports torch, and 64 workers each
-importing torch took over a minute to start on a loaded machine ("did not start within 60s"). Workers never
+it forks: the trainer's main is `rlkit.train` or a user's script, which imports torch, and the 8 workers of a
+batch each importing torch took over a minute to start on a loaded machine ("did not start within 60s"). Workers never
 need it: environments are imported by path (`__main__:Class` is refused at start-up).
 """
 
