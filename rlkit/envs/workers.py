@@ -108,8 +108,8 @@ class Limits:
     """What contains a batch's environment workers (rlkit/rewards/containment.py): each process's memory
     cap (MiB, RLIMIT_DATA), the batch's process cap, the output cap per worker. None = no cap."""
 
-    memory_limit_mb: int | None = 4096
-    max_processes: int | None = 512
+    memory_limit_mb: int | None = 8192
+    max_processes: int | None = 8192
     max_output_bytes: int = MAX_OUTPUT_BYTES
 
 

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -48,8 +49,6 @@ def limit_this_worker(memory_limit_mb: int | None, cgroup: str | None) -> None:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     if memory_limit_mb is not None:
-        import resource
-
         limit = int(memory_limit_mb) << 20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
@@ -87,6 +86,8 @@ def bound_output(max_bytes: int, what: str) -> None:
 def group_members(pgids: set[int]) -> dict[int, list[int]]:
     """The live processes of each process group in `pgids` (from /proc), zombies left out."""
     members: dict[int, list[int]] = {g: [] for g in pgids}
+    if not os.path.isdir("/proc"):  # not Linux: the process groups are still killed as a whole
+        return members
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
