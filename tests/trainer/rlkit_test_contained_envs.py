@@ -27,10 +27,17 @@ class Hog(Environment):
     def step(self, text):
         if self.record is not None:  # and leaves 2 sleepers behind
             _record(self.record, [subprocess.Popen(["sleep", "600"]).pid for _ in range(2)])
+        if not self.lazy:
+            while True:
+                self.hoard.append(bytearray(32 << 20))
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = (
+                "1"  # numpy's BLAS threads (one per core) would reserve memory under the cap too
+            )
         import numpy
 
         while True:
-            self.hoard.append(numpy.empty(32 << 20, numpy.uint8) if self.lazy else bytearray(32 << 20))
+            self.hoard.append(numpy.empty(32 << 20, numpy.uint8))
 
 
 class Spinners(Environment):

@@ -83,7 +83,8 @@ def _steps(name, kwargs, count, *, timeout_s=10.0, limits=DEFAULT_LIMITS):
 
 def test_a_memory_hog_fails_its_own_episode_and_workers_are_the_oom_killers_first_choice(tok):  # noqa: F811
     # The worker is alive and preferred by the OOM killer while it runs.
-    workers, results = _steps("Hog", {}, 1, limits=Limits(memory_limit_mb=300))
+    # (timeouts far above the ~0.1 s the hog needs: writing 300 MB can take seconds on a loaded machine)
+    workers, results = _steps("Hog", {}, 1, timeout_s=60, limits=Limits(memory_limit_mb=300))
     try:
         (w,) = workers._workers
         assert Path(f"/proc/{w.proc.pid}/oom_score_adj").read_text().strip() == "1000"
@@ -102,6 +103,7 @@ def test_a_memory_hog_fails_its_own_episode_and_workers_are_the_oom_killers_firs
         n=2,
         env_kwargs={"lazy": True},
         limits=Limits(memory_limit_mb=300),
+        timeout_s=60,
     )
     assert out.errors == 2 and out.failed.all() and out.timeouts == 0
 
@@ -109,7 +111,7 @@ def test_a_memory_hog_fails_its_own_episode_and_workers_are_the_oom_killers_firs
 def test_a_reward_function_that_hogs_memory_or_leaves_a_child_is_contained(tmp_path):
     record = tmp_path / "pids"
     scorer = RewardScorer(
-        f"{M}:leaves_a_child", {f"{M}:hogging": 1.0}, num_workers=1, timeout_s=20, memory_limit_mb=300
+        f"{M}:leaves_a_child", {f"{M}:hogging": 1.0}, num_workers=1, timeout_s=60, memory_limit_mb=300
     )
     try:
         scores = scorer.score(["p"], ["r"], ["a"], rows=[{"record": str(record)}])
@@ -149,7 +151,7 @@ def test_a_run_with_a_memory_hog_that_leaves_processes_finishes_and_counts_it(ti
 
 def test_children_of_a_timed_out_step_die_with_it(tmp_path, cap_mode):
     record = tmp_path / "pids"
-    workers, results = _steps("Spinners", {"record": str(record)}, 1, timeout_s=1.5)
+    workers, results = _steps("Spinners", {"record": str(record)}, 1, timeout_s=3.0)
     try:
         assert results[0][0] == "timeout"
         pids = _recorded(record)
