@@ -272,6 +272,9 @@ class RewardConfig:
     """Reward worker processes (isolated so a hanging function can be killed)."""
     batch_timeout_s: float = 60.0
     """Limit of one call of a batched reward function (@rlkit.rewards.batched); over it the batch scores 0."""
+    memory_limit_mb: Optional[int] = 8192
+    """Memory cap of each reward worker process (RLIMIT_DATA: heap and anonymous memory); a function over it
+    scores 0 (`reward/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/operations.md)."""
     route_by: Optional[str] = None
     """A dataset column (e.g. data_source) whose value picks each sample's main reward from `routes`."""
     routes: dict[str, str] = field(default_factory=dict)
@@ -301,6 +304,13 @@ class EnvConfig:
     """Cap on an episode's response tokens, model and observation (finish `length`); null = rollout.max_new_tokens."""
     timeout_s: float = 10.0
     """An environment reset or step running longer than this is killed (its worker process) and ends its episode with reward 0 (`env/timeouts`)."""
+    memory_limit_mb: Optional[int] = 8192
+    """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
+    stacks, reserved rather than touched); an allocation over it fails that episode (`env/errors`); null =
+    no cap. Workers also get oom_score_adj 1000 (see docs/operations.md)."""
+    max_processes: Optional[int] = 8192
+    """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
+    a count of processes in /proc where none is writable: see docs/operations.md); null = no cap."""
 
 
 @dataclass

@@ -11,8 +11,10 @@ An environment is built per episode (`cls(**env.kwargs)`) and driven by rlkit.ro
 The episode ends at `done`, after `env.max_turns` model turns, or when the response (model and
 observation tokens) reaches `env.max_total_tokens` (finish reason `length`). A step that raises or
 runs longer than `env.timeout_s` ends its episode with reward 0 and is counted (`env/errors`,
-`env/timeouts`); so does a malformed result or a first message that leaves no room (rlkit/envs/workers.py
-runs the environments in worker processes, where a hung step is killed). `stop` lists extra stop strings that end a model turn (the tool call's closing tag);
+`env/timeouts`); so does a malformed result (a reward follows the reward functions' rule:
+rlkit.rewards.functions.reward_number), an oversized one, a memory hog over `env.memory_limit_mb`, or a
+first message that leaves no room (rlkit/envs/workers.py runs the environments in contained worker
+processes, where a hung step is killed with everything it started). `stop` lists extra stop strings that end a model turn (the tool call's closing tag);
 `tool_calls` counts the tool calls the environment served (logged as `env/tool_calls`, per episode).
 
 Environments are named like reward functions: a built-in (`single_turn`, `calculator`) or an import
@@ -21,30 +23,10 @@ path `module:Class` / `module.Class`.
 
 from __future__ import annotations
 
-import functools
-
 from rlkit.config.schema import ConfigError
-from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn
+from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn, make_env, resolve_env
 from rlkit.envs.calculator import Calculator
-from rlkit.lookup import lookup
-
-
-@functools.cache
-def resolve_env(spec: str) -> type:
-    """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
-    cls = lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
-    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
-        what = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', type(cls).__name__)}"
-        raise ValueError(
-            f"env.name={spec!r} is {what}, not an environment class (a class with reset(row, messages) and "
-            f"step(text), e.g. a subclass of rlkit.envs.Environment); built-in: {list(ENVIRONMENTS)}"
-        )
-    return cls
-
-
-def make_env(spec: str, kwargs: dict | None = None):
-    """A fresh environment for one episode."""
-    return resolve_env(spec)(**(kwargs or {}))
+from rlkit.envs.workers import build_once, limits_of
 
 
 def check_env_config(env, rollout) -> None:
@@ -61,12 +43,17 @@ def check_env_config(env, rollout) -> None:
         raise ValueError(f"env.max_total_tokens={env.max_total_tokens!r} must be >= 1 (or null)")
     if env.timeout_s <= 0:
         raise ValueError(f"env.timeout_s={env.timeout_s!r} must be > 0")
-    try:
-        make_env(env.name, env.kwargs)
-    except Exception as e:
-        raise ValueError(
-            f"env.name={env.name!r} cannot be built with env.kwargs={dict(env.kwargs)} ({e})"
-        ) from e
+    # Built once as an episode builds it, in a worker under env.timeout_s: an __init__ that raises, exits or
+    # hangs is a start-up error here, not an exit code or a hang of the trainer.
+    if resolve_env(env.name) is SingleTurn:
+        try:
+            make_env(env.name, env.kwargs)
+        except Exception as e:
+            raise ValueError(
+                f"env.name={env.name!r} cannot be built with env.kwargs={dict(env.kwargs)} ({e})"
+            ) from e
+    else:
+        build_once(env.name, dict(env.kwargs), timeout_s=env.timeout_s, limits=limits_of(env))
 
 
 def check_config(cfg) -> None:

@@ -1,10 +1,12 @@
-"""The environment protocol (`Environment`), the single-turn default and the registry of environments."""
+"""The environment protocol (`Environment`), the single-turn default, the registry of environments and the
+checks of what an environment returns."""
 
 from __future__ import annotations
 
-import math
+import functools
 
-from rlkit.lookup import Registry
+from rlkit.lookup import Registry, lookup
+from rlkit.rewards.functions import describe, reward_number
 
 # env.name: the built-in environments (an environment module registers its classes on import).
 ENVIRONMENTS = Registry("env.name")
@@ -37,26 +39,58 @@ class SingleTurn(Environment):
         return None, 0.0, True
 
 
+@functools.cache
+def resolve_env(spec: str) -> type:
+    """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
+    cls = lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
+    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
+        what = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', type(cls).__name__)}"
+        raise ValueError(
+            f"env.name={spec!r} is {what}, not an environment class (a class with reset(row, messages) and "
+            f"step(text), e.g. a subclass of rlkit.envs.Environment); built-in: {list(ENVIRONMENTS)}"
+        )
+    return cls
+
+
+def make_env(spec: str, kwargs: dict | None = None):
+    """A fresh environment for one episode."""
+    return resolve_env(spec)(**(kwargs or {}))
+
+
+MAX_MESSAGES = 1_000
+"""Most messages in one observation or first-message list; more is refused as an oversized result."""
+MAX_MESSAGE_CHARS = 4_000_000
+"""Most characters in one observation or first-message list (about a million tokens, beyond any context):
+more is refused in the worker, before it crosses the pipe or meets the tokenizer."""
+
+
 def check_messages(value, what: str) -> list[dict]:
     """`value` as chat messages: a list of dicts whose `role` and `content` are strings (raises TypeError
-    naming what is wrong, so a malformed observation or first message fails its episode, not the run)."""
+    naming what is wrong, so a malformed observation or first message fails its episode, not the run).
+    An oversized one (over MAX_MESSAGES messages or MAX_MESSAGE_CHARS characters) raises ValueError naming
+    its size, never its content."""
     if not isinstance(value, list):
-        raise TypeError(f"{what} must be a list of messages, got {type(value).__name__}")
+        raise TypeError(f"{what} must be a list of messages, got {describe(value)}")
+    if len(value) > MAX_MESSAGES:
+        raise ValueError(f"{what} has {len(value)} messages (at most {MAX_MESSAGES})")
     for k, m in enumerate(value):
         if not isinstance(m, dict):
             raise TypeError(f"{what}[{k}] must be a dict with role and content, got {type(m).__name__}")
         for field in ("role", "content"):
             if not isinstance(m.get(field), str):
                 raise TypeError(f"{what}[{k}][{field!r}] must be a string, got {type(m.get(field)).__name__}")
+    chars = sum(len(m["content"]) + len(m["role"]) for m in value)
+    if chars > MAX_MESSAGE_CHARS:
+        raise ValueError(f"{what} has {chars} characters (at most {MAX_MESSAGE_CHARS})")
     return [dict(m) for m in value]
 
 
 def check_step(out) -> tuple[list[dict] | None, float, bool]:
-    """An environment step's result `(observation or None, reward, done)`, checked (raises on a bad one)."""
+    """An environment step's result `(observation or None, reward, done)`, checked (raises on a bad one).
+    The reward follows the reward functions' rule, from the same function (`reward_number`: a finite real
+    number with |reward| <= MAX_ABS_REWARD, bools as 0 / 1, no strings)."""
     if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise TypeError(f"step must return (observation, reward, done), got {type(out).__name__}")
+        raise TypeError(f"step must return (observation, reward, done), got {describe(out)}")
     obs, reward, done = out
-    reward = float(reward)
-    if not math.isfinite(reward):
-        raise ValueError(f"non-finite reward {reward}")
+    reward = reward_number(reward)
     return (None if obs is None else check_messages(obs, "observation")), reward, bool(done)

@@ -4,13 +4,20 @@ drives them).
 An environment is stateful and lives for one episode, so a worker owns the environment objects it built
 (`make`) for the whole episode batch, addressed by id, and runs their `reset` and `step` calls one at a
 time: one worker per episode (up to `MAX_WORKERS` per batch, beyond which the episodes of a row share one). Each call gets `env.timeout_s` from the moment it is sent to its worker (start-up is not charged to
-it). A call over its limit, or a worker that dies (os._exit, a segfault, the OOM killer), gets its worker
-SIGKILLed and reaped: no thread or process outlives it, and a call that spins on the CPU cannot hold the
-trainer's GIL. Any other environment that lived in that worker is lost with it, so its episode ends too
+it). A call over its limit, or a worker that dies (os._exit, a segfault, the OOM killer), gets its worker's
+whole process group (and pids cgroup) SIGKILLed and reaped: no thread or process it started outlives it,
+and a call that spins on the CPU cannot hold the trainer's GIL. Any other environment that lived in that worker is lost with it, so its episode ends too
 (counted as an error, with the reason). Workers fork from multiprocessing's fork server (never from the
 trainer, which holds torch threads and maybe CUDA), ignore SIGINT / SIGTERM (the trainer's to handle),
 die with the fork server (PR_SET_PDEATHSIG), which ignores SIGTERM too and exits with the trainer, and are
-closed at the end of the batch.
+closed at the end of the batch, their process groups killed.
+
+Containment (`Limits`, rlkit/rewards/containment.py): each worker leads its own session, has
+oom_score_adj 1000 and a memory cap (`env.memory_limit_mb`, RLIMIT_DATA: an allocation over it is a
+MemoryError that fails the episode with its reason); the batch's workers and all they start are capped at
+`env.max_processes` (a pids cgroup, else a count in /proc every `POLL_S`); each worker's stdout and stderr,
+its children's included, are cut at `MAX_OUTPUT_BYTES`. `build_once` builds the environment in a worker at
+start-up, so an __init__ that raises, exits or hangs is a start-up error.
 
 Every result is checked in the worker (`check_messages`, `check_step`): a malformed one is an error of
 that call, never an exception in the trainer. `LocalEnvs` runs the same calls in this process, without
@@ -22,15 +29,16 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.spawn as mp_spawn
 import os
 import pickle
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from rlkit.envs import make_env
-from rlkit.envs.base import check_messages, check_step
-from rlkit.rewards.scorer import die_with_parent, read_reply, serve_requests
+from rlkit.envs.base import check_messages, check_step, make_env
+from rlkit.rewards.containment import ProcessCap, bound_output, kill_group, limit_this_worker
+from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,10 @@ def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
             out = getattr(envs[call.env], "stop", ())
         else:
             out = getattr(envs[call.env], call.method)(*call.args)
+    except MemoryError:
+        envs.pop(call.env, None)  # free what it holds, if nothing else does
+        why = f"{call.method} ran out of memory (MemoryError: over the worker's cap, env.memory_limit_mb)"
+        return EnvReply(call.env, False, why)
     except BaseException as e:  # an environment must never take the run down (SystemExit included)
         return EnvReply(call.env, False, f"{call.method} raised {type(e).__name__}: {e}"[:500])
     try:
@@ -86,20 +98,41 @@ def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
         return EnvReply(call.env, False, f"{call.method} returned a bad result: {e}"[:500])
 
 
-def _worker_main(conn, spec: str, kwargs: dict) -> None:
+MAX_OUTPUT_BYTES = 64 << 10
+"""What one environment worker (one episode, or the episodes of a row sharing a worker) and everything it
+starts may write to stdout / stderr in a batch; the rest is dropped, with one line saying so."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What contains a batch's environment workers (rlkit/rewards/containment.py): each process's memory
+    cap (MiB, RLIMIT_DATA), the batch's process cap, the output cap per worker. None = no cap."""
+
+    memory_limit_mb: int | None = 8192
+    max_processes: int | None = 8192
+    max_output_bytes: int = MAX_OUTPUT_BYTES
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _worker_main(conn, spec: str, kwargs: dict, limits: Limits, cgroup: str | None) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(os.getppid())  # the fork server, which exits when the trainer does
+    limit_this_worker(limits.memory_limit_mb, cgroup)
+    bound_output(limits.max_output_bytes, f"environment {spec}")
     envs: dict = {}
     serve_requests(conn, lambda call: serve(envs, call, spec, kwargs))
 
 
 class _Worker:
-    def __init__(self, ctx, spec: str, kwargs: dict, start_timeout_s: float):
+    def __init__(self, ctx, spec: str, kwargs: dict, start_timeout_s: float, limits: Limits, cgroup):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec, kwargs), daemon=True)
+        self.cgroup = cgroup
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, kwargs, limits, cgroup), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
@@ -108,12 +141,16 @@ class _Worker:
         self.queue: deque[EnvCall] = deque()
 
     def kill(self) -> None:
-        """SIGKILL and reap (never waits on anything the worker holds)."""
+        """SIGKILL its whole process group (and its cgroup) and reap (never waits on anything it holds)."""
+        kill_group(self.proc.pid, self.cgroup)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
         self.conn.close()
 
+
+POLL_S = 0.2
+"""How often the processes of a batch are counted where no pids cgroup caps them (ProcessCap's fallback)."""
 
 MAX_WORKERS = 64
 """Worker processes of one batch: one per episode up to this many (beyond it, neighbours share one)."""
@@ -126,8 +163,12 @@ def context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process.
+    # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process,
+    # and take this process's main module as already run, so that no worker runs it again.
     os.environ["RLKIT_ENV_FORKSERVER_PARENT"] = str(os.getpid())
+    prepared = mp_spawn.get_preparation_data("rlkit-env-worker")
+    os.environ["RLKIT_ENV_MAIN_NAME"] = prepared.get("init_main_from_name", "")
+    os.environ["RLKIT_ENV_MAIN_PATH"] = prepared.get("init_main_from_path", "")
     ctx.set_forkserver_preload(["rlkit.envs.forkserver"])
     return ctx
 
@@ -140,20 +181,33 @@ class EnvWorkers:
     """
 
     def __init__(
-        self, spec: str, kwargs: dict, count: int, *, timeout_s: float, max_workers: int = MAX_WORKERS
+        self,
+        spec: str,
+        kwargs: dict,
+        count: int,
+        *,
+        timeout_s: float,
+        max_workers: int = MAX_WORKERS,
+        limits: Limits = DEFAULT_LIMITS,
     ):
         self.timeout_s = timeout_s
         self.start_timeout_s = max(60.0, timeout_s)
+        self.limits = limits
         ctx = context()
         n = max(1, min(count, max_workers))
-        self._workers = [_Worker(ctx, spec, dict(kwargs), self.start_timeout_s) for _ in range(n)]
+        self._cap = ProcessCap(limits.max_processes)
+        self._workers = [
+            _Worker(ctx, spec, dict(kwargs), self.start_timeout_s, limits, self._cap.cgroup_for(k))
+            for k in range(n)
+        ]
         # Neighbours share a worker when there are more episodes than workers: the G episodes of a row.
         self._home = {i: self._workers[i * n // count] for i in range(count)}
         self.lost: dict[int, str] = {}
         self.tool_calls = [0] * count
 
     def close(self) -> None:
-        """Stop every worker (asked, then killed if it does not exit at once); safe to call twice."""
+        """Stop every worker (asked, then its process group killed: nothing it started survives the batch);
+        safe to call twice."""
         workers, self._workers = self._workers, []
         for w in workers:
             try:
@@ -163,6 +217,7 @@ class EnvWorkers:
         for w in workers:
             w.proc.join(timeout=1.0)
             w.kill()
+        self._cap.close()
 
     def _lose(self, w: _Worker, why: str, results: dict) -> None:
         """Kill `w`; its busy call gets `why`, its other environments are lost (their queued calls fail)."""
@@ -193,7 +248,7 @@ class EnvWorkers:
         message = read_reply(w.conn)
         if message is None:  # the sentinel fired or the pipe broke: the worker is dead
             w.proc.join(timeout=10)
-            self._lose(w, f"its worker died (exit code {w.proc.exitcode})", results)
+            self._lose(w, f"its worker died ({exit_reason(w.proc.exitcode)})", results)
         elif message == "ready":
             w.ready = True
         else:
@@ -213,9 +268,15 @@ class EnvWorkers:
             limits = [w.deadline for w in self._workers if w.busy is not None or not w.ready]
             handles = {w.conn: w for w in self._workers} | {w.proc.sentinel: w for w in self._workers}
             timeout = max(0.0, min(limits) - time.monotonic()) if limits else None
+            if self._cap.counting:  # no pids cgroup: count the workers' processes a few times a second
+                timeout = POLL_S if timeout is None else min(timeout, POLL_S)
             fired = {handles[h] for h in mp_connection.wait(list(handles), timeout=timeout)}
+            hog = self._cap.over_cap([w.proc.pid for w in self._workers])
             for w in list(self._workers):
-                if w in fired:
+                if w.proc.pid == hog:
+                    cap = self.limits.max_processes
+                    self._lose(w, f"its processes passed env.max_processes={cap} (worker killed)", results)
+                elif w in fired:
                     self._receive(w, results)
                 elif w.busy is not None and time.monotonic() >= w.deadline:
                     results[w.busy.env] = ("timeout", f"{method} ran over env.timeout_s={self.timeout_s:g}s")
@@ -225,6 +286,25 @@ class EnvWorkers:
                 elif not w.ready and time.monotonic() >= w.deadline:
                     self._lose(w, f"its worker did not start within {self.start_timeout_s:g}s", results)
         return results
+
+
+def limits_of(env) -> Limits:
+    """The Limits of an `env.*` config (EnvConfig)."""
+    return Limits(memory_limit_mb=env.memory_limit_mb, max_processes=env.max_processes)
+
+
+def build_once(spec: str, kwargs: dict, *, timeout_s: float, limits: Limits) -> None:
+    """Build one environment in a worker, as an episode would (the start-up check): an __init__ that raises,
+    exits or runs over `timeout_s` raises ValueError naming env.name and why; the trainer is untouched."""
+    workers = EnvWorkers(spec, kwargs, 1, timeout_s=timeout_s, limits=limits)
+    try:
+        status, why = workers.call("make", {0: ()})[0]
+    finally:
+        workers.close()
+    if status != "ok":
+        raise ValueError(
+            f"env.name={spec!r} cannot be built with env.kwargs={dict(kwargs)} in a worker: {why}"
+        )
 
 
 class LocalEnvs:

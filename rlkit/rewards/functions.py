@@ -27,6 +27,7 @@ import functools
 import logging
 import math
 import re
+import reprlib
 from collections.abc import Callable
 
 from rlkit.config.schema import ConfigError
@@ -223,16 +224,45 @@ def _columns_for(spec: str, row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in _FIXED and (var_kw or k in names)}
 
 
+def describe(value) -> str:
+    """A short description of any value for an error message: its type, its size and a truncated repr
+    (reprlib), so a 5-million-element list or a 50 MB string is named, never printed."""
+    try:
+        size = f" of {len(value)} {'characters' if isinstance(value, str) else 'elements'}"
+    except Exception:
+        size = ""
+    try:
+        shown = reprlib.repr(value)
+    except Exception:
+        shown = "(unprintable)"
+    return f"{type(value).__name__}{size}: {shown}"
+
+
+def reward_number(value, what: str = "reward") -> float:
+    """The one rule for every reward, of reward functions and of environment steps alike: a real number
+    (anything with `__float__`: int, float, numpy and one-element torch scalars; bools count as 0 / 1),
+    finite, with |value| <= MAX_ABS_REWARD. Anything else raises (TypeError / ValueError) with a short
+    message: strings such as "0.5" are refused, not parsed."""
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        raise TypeError(f"non-numeric {what}: {describe(value)}")
+    try:
+        number = float(value)
+    except Exception as e:
+        raise TypeError(f"non-numeric {what}: {describe(value)} ({type(e).__name__})") from None
+    if not math.isfinite(number):
+        raise ValueError(f"non-finite {what} {number}")
+    if abs(number) > MAX_ABS_REWARD:
+        raise ValueError(
+            f"{what} {number:g} out of range: |{what}| must be <= {MAX_ABS_REWARD:g} (MAX_ABS_REWARD)"
+        )
+    return number
+
+
 def _number(value) -> tuple[float, str | None]:
     try:
-        value = float(value)
+        return reward_number(value), None
     except (TypeError, ValueError) as e:
-        return 0.0, f"non-numeric reward {value!r} ({e})"
-    if not math.isfinite(value):
-        return 0.0, f"non-finite reward {value}"
-    if abs(value) > MAX_ABS_REWARD:
-        return 0.0, f"reward {value:g} out of range: |reward| must be <= {MAX_ABS_REWARD:g} (MAX_ABS_REWARD)"
-    return value, None
+        return 0.0, str(e)
 
 
 def call_reward(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]:
@@ -253,8 +283,10 @@ def call_reward(spec: str, items: list[tuple]) -> list[tuple[float, str | None]]
         if len(values) != len(items):
             raise ValueError(f"batched reward returned {len(values)} values for {len(items)} samples")
         return [_number(v) for v in values]
+    except MemoryError:
+        return [(0.0, "MemoryError: over the worker's memory cap (reward.memory_limit_mb)")] * len(items)
     except BaseException as e:  # a reward must never take the run down
-        return [(0.0, f"{type(e).__name__}: {e}")] * len(items)
+        return [(0.0, f"{type(e).__name__}: {e}"[:500])] * len(items)
 
 
 OVERLONG_PENALTY_WARN = 10.0

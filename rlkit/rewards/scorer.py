@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
+import signal
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlkit.rewards.containment import group_members, kill_group, limit_this_worker
 from rlkit.rewards.functions import call_reward, is_batched, is_correct, resolve
 
 log = logging.getLogger(__name__)
@@ -53,18 +56,23 @@ def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> 
         os._exit(1)
 
 
-def _worker_main(conn, parent_pid: int, started_by_main_thread: bool = True) -> None:
+def _worker_main(
+    conn, parent_pid: int, started_by_main_thread: bool = True, memory_limit_mb: int | None = None
+) -> None:
     """A reward worker: one private pipe to the trainer, no lock shared with any other process.
 
     It ignores SIGINT / SIGTERM: a signal sent to the whole process group (Ctrl-C, `timeout`, Slurm,
     systemd) is the trainer's to handle; the trainer finishes its step with intact rewards and then kills
     its workers. It exits when the trainer closes the pipe and is killed by the kernel when the trainer dies.
+    It leads its own process group, is the OOM killer's first choice and has a memory cap
+    (rlkit/rewards/containment.py).
     """
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(parent_pid, started_by_main_thread=started_by_main_thread)
+    limit_this_worker(memory_limit_mb, None)
     _init_worker()
     serve_requests(conn, lambda task: call_reward(*task))
 
@@ -79,7 +87,11 @@ def read_reply(conn):
 
 def serve_requests(conn, handle) -> None:
     """A worker process's loop (reward and environment workers): say "ready", then answer each request on
-    `conn` with `handle(request)` until a None request or the pipe closes."""
+    `conn` with `handle(request)` until a None request or the pipe closes. A process the handler forked
+    (os.fork in an environment) that returns here exits at once: only the worker answers on its pipe."""
+    import os
+
+    me = os.getpid()
     conn.send("ready")
     while True:
         try:
@@ -88,19 +100,38 @@ def serve_requests(conn, handle) -> None:
             return
         if request is None:
             return
-        conn.send(handle(request))
+        reply = handle(request)
+        if os.getpid() != me:
+            os._exit(0)
+        conn.send(reply)
+
+
+def exit_reason(code: int | None) -> str:
+    """A dead worker's exit code in words: `exit code 7`, or the signal that killed it (SIGKILL: the
+    kernel's OOM killer, a cgroup limit or a kill -9)."""
+    import signal
+
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the OOM killer, or kill -9)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
 
 
 class _Worker:
     """One worker process and its pipe; `task` is the (name, index) it is running, `deadline` its limit."""
 
-    def __init__(self, ctx, start_timeout_s: float):
+    def __init__(self, ctx, start_timeout_s: float, memory_limit_mb: int | None = None):
         import os
         import threading
 
         self.conn, child = ctx.Pipe(duplex=True)
         main = threading.current_thread() is threading.main_thread()
-        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid(), main), daemon=True)
+        args = (child, os.getpid(), main, memory_limit_mb)
+        self.proc = ctx.Process(target=_worker_main, args=args, daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
@@ -108,7 +139,10 @@ class _Worker:
         self.deadline = time.monotonic() + start_timeout_s  # to start, then per task
 
     def kill(self) -> None:
-        """SIGKILL and reap: never waits on anything the worker holds (a stopped or hung worker dies too)."""
+        """SIGKILL its process group (the worker and all it started) and reap: never waits on anything the
+        worker holds (a stopped or hung worker dies too)."""
+        if self.proc.pid is not None:
+            kill_group(self.proc.pid, None)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
@@ -141,6 +175,7 @@ class RewardScorer:
             (`fn` for values not listed); None = `fn` for every sample.
         routes: column value -> reward function.
         batch_timeout_s: the limit of one call of a batched function.
+        memory_limit_mb: each worker process's memory cap (RLIMIT_DATA, MiB); None = no cap.
     """
 
     def __init__(
@@ -154,6 +189,7 @@ class RewardScorer:
         route_by: str | None = None,
         routes: dict[str, str] | None = None,
         batch_timeout_s: float = 60.0,
+        memory_limit_mb: int | None = None,
     ):
         self.main = fn
         self.weights: dict[str, float] = {fn: 1.0}
@@ -166,13 +202,14 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.num_workers = num_workers
+        self.memory_limit_mb = memory_limit_mb
         self.start_timeout_s = max(120.0, timeout_s)
         self._workers: list[_Worker] = []
         self._start_failures = 0
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch threads / CUDA
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.start_timeout_s)
+        return _Worker(self._ctx, self.start_timeout_s, self.memory_limit_mb)
 
     def close(self) -> None:
         """Kill the workers (they are stateless); safe to call twice, never blocks on a worker."""
@@ -183,6 +220,18 @@ class RewardScorer:
     def spec_for(self, row: dict) -> str:
         """The main reward function of a sample with dataset columns `row` (its route, or `fn`)."""
         return self._spec(self.main, row)
+
+    def _kill_leftovers(self) -> None:
+        """End of a batch: kill what the reward functions started and left running (the processes of each
+        worker's group other than the worker itself)."""
+        leaders = {w.proc.pid for w in self._workers if w.proc.pid is not None}
+        for leader, pids in group_members(leaders).items():
+            for pid in pids:
+                if pid != leader:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
 
     def _spec(self, slot: str, row: dict) -> str:
         """The function that scores `slot` for a sample: the main slot follows the sample's route."""
@@ -277,7 +326,7 @@ class RewardScorer:
                     message = read_reply(w.conn)
                     if message is None:  # the sentinel fired or the pipe broke: the worker is dead
                         w.proc.join(timeout=10)
-                        replace(w, f"crashed (worker exit code {w.proc.exitcode})")
+                        replace(w, f"crashed (worker {exit_reason(w.proc.exitcode)})")
                     elif message == "ready":
                         w.ready = True
                         self._start_failures = 0
@@ -294,6 +343,7 @@ class RewardScorer:
                     if w.ready:
                         limit = self.batch_timeout_s if is_batched(w.task[1]) else self.timeout_s
                     replace(w, f"timed out after {limit:.1f}s", timeout=w.ready)
+        self._kill_leftovers()
         per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
         total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]
         correct = [0.0] * len(responses)

@@ -28,7 +28,7 @@ from torch import Tensor
 from rlkit.batch import RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
 from rlkit.envs import SingleTurn, resolve_env
-from rlkit.envs.workers import EnvWorkers, LocalEnvs
+from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs
 from rlkit.rollout.engines.base import rows_to_batch
 
 log = logging.getLogger(__name__)
@@ -312,6 +312,7 @@ def run_episodes(
     pad_id: int,
     context: int | None = None,
     first_position: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> EpisodeBatch:
     """Run n episodes per prompt to the end; episodes of prompt i are rows i*n ... i*n+n-1.
 
@@ -324,7 +325,7 @@ def run_episodes(
     if resolve_env(env_name) is SingleTurn:
         runner = LocalEnvs(env_name, env_kwargs, count)
     else:
-        runner = EnvWorkers(env_name, env_kwargs, count, timeout_s=timeout_s)
+        runner = EnvWorkers(env_name, env_kwargs, count, timeout_s=timeout_s, limits=limits)
     try:
         episodes, env_stop = _start(
             runner, prompts, messages, rows, n, tokenizer,

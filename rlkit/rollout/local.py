@@ -56,6 +56,7 @@ class LocalRollouts:
             route_by=cfg.reward.route_by,
             routes=cfg.reward.routes,
             batch_timeout_s=cfg.reward.batch_timeout_s,
+            memory_limit_mb=cfg.reward.memory_limit_mb,
         )
         # None: the engine takes this rank's GPU (set by the accelerator) or the CPU.
         self.engine = make_engine(

@@ -32,6 +32,7 @@ from rlkit.config.rules import choice
 from rlkit.config.schema import AlgoConfig, ConfigError
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import prompt_messages
+from rlkit.envs.workers import limits_of
 from rlkit.models import load_tokenizer
 from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.episodes import check_multiturn_template, run_episodes
@@ -157,6 +158,7 @@ class Producer:
                 max_total_tokens=env.max_total_tokens or self.cfg.rollout.max_new_tokens,
                 timeout_s=env.timeout_s, eos_ids=set(eos), pad_id=pad if pad is not None else eos[0],
                 context=getattr(self.engine, "context", None), first_position=first_prompt,
+                limits=limits_of(env),
             )  # fmt: skip
 
     # -- one generation batch --------------------------------------------------------------------
