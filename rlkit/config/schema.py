@@ -78,7 +78,8 @@ class ModelConfig:
 class DataConfig:
     path: str = "openai/gsm8k"
     """Hub dataset id, a local JSON/JSONL/Parquet file, a directory with train.* / test.* files, or
-    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data)."""
+    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data), or `env` (the rows of
+    the environment env.name, e.g. a verifiers taskset; data.eval_size of them held out for eval)."""
     subset: Optional[str] = "main"
     """Hub dataset configuration name (e.g. gsm8k's `main`); null for none."""
     train_split: str = "train"
@@ -292,7 +293,8 @@ class RewardConfig:
 @dataclass
 class EnvConfig:
     name: str = "single_turn"
-    """Episode environment: single_turn (the dataset's task) | calculator | an import path module:Class."""
+    """Episode environment: single_turn (the dataset's task) | calculator | an import path module:Class |
+    verifiers:<taskset id> (an installed verifiers environment) | openenv:<url> (an OpenEnv server)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (one environment per episode)."""
     max_turns: int = 4

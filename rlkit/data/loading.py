@@ -14,10 +14,13 @@ from pathlib import Path
 from rlkit.config.schema import ConfigError, DataConfig
 from rlkit.data.arithmetic import check_kinds, distinct_problems, generate_arithmetic
 from rlkit.data.prompts import TEMPLATES
+from rlkit.envs import environment_rows
 
 log = logging.getLogger(__name__)
 
 ARITHMETIC = "arithmetic"
+ENV = "env"
+"""data.path=env: the rows come from the environment (env.name, e.g. verifiers:<taskset id>)."""
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -120,11 +123,17 @@ def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
     return builders.pop(), files
 
 
-def load_splits(cfg: DataConfig, *, seed: int = 0):
-    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows."""
+def load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
+    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows. `env`: the
+    `env.*` config, whose environment gives the rows of `data.path=env` (eval rows held out of them)."""
     import datasets
 
     path = cfg.path
+    if path == ENV:
+        if env is None:
+            raise DataError("data.path=env needs the env.* config (the environment gives the rows)")
+        ds = datasets.DatasetDict({cfg.train_split: datasets.Dataset.from_list(environment_rows(env))})
+        return _split(ds, cfg, {}, f"env.name={env.name}", seed)
     if path == ARITHMETIC:
         path = str(
             generate_arithmetic(
@@ -157,6 +166,11 @@ def load_splits(cfg: DataConfig, *, seed: int = 0):
                 f"({type(e).__name__}: {e}). If the hub is unreachable, run offline with +recipe=quickstart, or "
                 "point data.path= at a local JSON/JSONL/Parquet file or directory (and model.path= at a local model)."
             ) from e
+    return _split(ds, cfg, where, path, seed)
+
+
+def _split(ds, cfg: DataConfig, where: dict, path: str, seed: int):
+    """(train, eval) of the loaded splits `ds` (eval held out of train when there is no eval split)."""
     if cfg.train_split not in ds:
         raise DataError(f"data.train_split={cfg.train_split!r} is not one of {list(ds)}")
     has_eval = bool(cfg.eval_split) and cfg.eval_split in ds

@@ -16,7 +16,9 @@ runs the environments in worker processes, where a hung step is killed). `stop` 
 `tool_calls` counts the tool calls the environment served (logged as `env/tool_calls`, per episode).
 
 Environments are named like reward functions: a built-in (`single_turn`, `calculator`) or an import
-path `module:Class` / `module.Class`.
+path `module:Class` / `module.Class`; environments of other libraries by a prefix: `verifiers:<taskset id>`
+(rlkit/envs/verifiers_env.py) and `openenv:<url>` (rlkit/envs/openenv_env.py). An environment class with a
+classmethod `rows(**env.kwargs)` can also be the dataset (`data.path=env`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,21 @@ import functools
 
 from rlkit.config.schema import ConfigError
 from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn
+from rlkit.envs import openenv_env, verifiers_env
 from rlkit.envs.calculator import Calculator
 from rlkit.lookup import lookup
+
+ADAPTERS = {"verifiers": verifiers_env.environment_class, "openenv": openenv_env.environment_class}
+"""env.name prefixes (`<prefix>:<target>`): environments of other libraries, adapted."""
 
 
 @functools.cache
 def resolve_env(spec: str) -> type:
-    """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
+    """An environment class from a registered name, an import path `module:Class` / `module.Class`, or an
+    adapter prefix (`verifiers:<taskset id>`, `openenv:<url>`)."""
+    prefix, _, target = spec.partition(":")
+    if prefix in ADAPTERS:
+        return ADAPTERS[prefix](target)
     cls = lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         what = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', type(cls).__name__)}"
@@ -45,6 +55,17 @@ def resolve_env(spec: str) -> type:
 def make_env(spec: str, kwargs: dict | None = None):
     """A fresh environment for one episode."""
     return resolve_env(spec)(**(kwargs or {}))
+
+
+def environment_rows(env) -> list[dict]:
+    """The dataset of `data.path=env`: the rows of env.name's environment (its classmethod `rows`)."""
+    cls = resolve_env(env.name)
+    if not callable(getattr(cls, "rows", None)):
+        raise ValueError(
+            f"data.path=env: env.name={env.name!r} brings no dataset (no classmethod rows); "
+            "environments that do: verifiers:<taskset id>"
+        )
+    return cls.rows(**dict(env.kwargs))
 
 
 def check_env_config(env, rollout) -> None:
@@ -84,6 +105,7 @@ __all__ = [
     "SingleTurn",
     "check_config",
     "check_env_config",
+    "environment_rows",
     "make_env",
     "resolve_env",
 ]
