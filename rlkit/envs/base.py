@@ -17,6 +17,9 @@ class Environment:
     """Extra stop strings of a model turn (kept in the turn), besides EOS and rollout.stop."""
     tool_calls: int = 0
     """Tool calls served in this episode (logged as `env/tool_calls`)."""
+    preload: tuple[str, ...] = ()
+    """Modules (a heavy library) imported once by the fork server the environment workers fork from, so a
+    batch's workers start with them imported; a module that does not import is skipped there."""
 
     def reset(self, row: dict, messages: list[dict]) -> list[dict]:
         """The episode's first messages, from its dataset row; `messages` is the dataset's prompt

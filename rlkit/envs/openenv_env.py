@@ -55,6 +55,7 @@ class OpenEnvEnv(Environment):
     """An rlkit environment over one OpenEnv server (`url`, set by `environment_class`)."""
 
     url: str = ""
+    preload = ("openenv.core.generic_client",)
 
     def __init__(
         self, action_key: str = "message", observation_key: str | None = None, system_prompt: str | None = None,

@@ -38,6 +38,8 @@ from rlkit.envs.base import Environment
 PREFIX = "verifiers:"
 INSTALL = 'pip install "rlkit[verifiers]"'
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+PRELOAD = ("verifiers.v1", "verifiers.v1.tasksets", "verifiers.v1.envs.isolated_verifier")
+"""What building a verifiers Env imports (17 s under load), imported once by the workers' fork server."""
 
 
 def require():
@@ -59,8 +61,7 @@ def _environment(taskset_id: str, taskset_json: str):
     return vf.load_environment(config)
 
 
-@functools.cache
-def _tasks(taskset_id: str, taskset_json: str, num_tasks: int | None) -> tuple:
+def _tasks(taskset_id: str, taskset_json: str, num_tasks: int | None) -> list:
     """The taskset's tasks, in its order (the first `num_tasks`; an infinite taskset needs the bound)."""
     taskset = _environment(taskset_id, taskset_json).taskset
     if num_tasks is not None:
@@ -69,7 +70,14 @@ def _tasks(taskset_id: str, taskset_json: str, num_tasks: int | None) -> tuple:
         raise ValueError(
             f"taskset {taskset_id!r} is infinite: bound it with env.kwargs.num_tasks=<number of tasks>"
         )
-    return tuple(taskset)
+    return list(taskset)
+
+
+def _task(env, wire: str):
+    """A task rebuilt from its data (the row's `vf_task`, JSON), as verifiers rebuilds a task from a trace:
+    `TaskClass(data, taskset config's task config)`; a worker never loads the whole taskset."""
+    task_cls = type(env.taskset).task_type()
+    return task_cls(task_cls.data_type().model_validate_json(wire), env.taskset.config.task)
 
 
 def _text(content) -> str:
@@ -354,6 +362,7 @@ class VerifiersEnv(Environment):
 
     taskset_id: str = ""
     stop = (TOOL_CLOSE,)
+    preload = PRELOAD
 
     def __init__(
         self, taskset: dict | None = None, num_tasks: int | None = None, max_turns: int | None = None,
@@ -372,24 +381,25 @@ class VerifiersEnv(Environment):
 
     @classmethod
     def rows(cls, taskset: dict | None = None, num_tasks: int | None = None, **_) -> list[dict]:
-        """The dataset rows of the taskset (data.path=env): `question` (the prompt's text), `answer`
-        (the task's `answer` field, else its key: rlkit's reward functions are not needed), `task_index`."""
+        """The dataset rows of the taskset (data.path=env): `question` (the prompt's text), `answer` (the
+        task's `answer` field, else its key: rlkit's reward functions are not needed) and `vf_task` (the
+        task's data as JSON, from which the worker rebuilds the task)."""
         tasks = _tasks(cls.taskset_id, json.dumps(dict(taskset or {}), sort_keys=True), num_tasks)
         return [
             {
                 "question": t.data.prompt_text or t.key,
                 "answer": str(getattr(t.data, "answer", None) or t.key),
-                "task_index": i,
+                "vf_task": t.data.model_dump_json(),
             }
-            for i, t in enumerate(tasks)
+            for t in tasks
         ]
 
     def reset(self, row: dict, messages: list[dict]) -> list[dict]:
-        tasks = _tasks(self.taskset_id, self.taskset_json, self.num_tasks)
-        if "task_index" not in row:
-            raise KeyError("the row has no task_index: train a verifiers environment with data.path=env")
+        if "vf_task" not in row:
+            raise KeyError("the row has no vf_task column: train a verifiers environment with data.path=env")
         env = _environment(self.taskset_id, self.taskset_json)
-        self._driver = _Driver(env, tasks[row["task_index"]], max_turns=self.max_turns, tool_role=self.tool_role)
+        task = _task(env, row["vf_task"])
+        self._driver = _Driver(env, task, max_turns=self.max_turns, tool_role=self.tool_role)
         first = self._driver.advance()
         if first is None:
             raise ValueError("the environment's run ended before the model's first turn")
@@ -409,4 +419,7 @@ def environment_class(taskset_id: str) -> type:
     """The environment class of `env.name=verifiers:<taskset_id>`."""
     if not taskset_id:
         raise ValueError(f"env.name={PREFIX}<taskset id>: the taskset id is missing")
-    return type(f"Verifiers[{taskset_id}]", (VerifiersEnv,), {"taskset_id": taskset_id})
+    # The taskset's module, named as verifiers names an installed environment (`owner/name@version` -> name).
+    module = taskset_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    attrs = {"taskset_id": taskset_id, "preload": (*PRELOAD, module)}
+    return type(f"Verifiers[{taskset_id}]", (VerifiersEnv,), attrs)

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rlkit.envs import make_env
+from rlkit.envs import make_env, resolve_env
 from rlkit.envs.base import check_messages, check_step
 from rlkit.rewards.scorer import die_with_parent, read_reply, serve_requests
 
@@ -119,16 +119,17 @@ MAX_WORKERS = 64
 """Worker processes of one batch: one per episode up to this many (beyond it, neighbours share one)."""
 
 
-def context():
+def context(preload: tuple[str, ...] = ()):
     """Workers fork from multiprocessing's fork server (started once, clean: no torch, no CUDA, no trainer
     threads; it preloads this module and ignores SIGTERM), so a batch's workers start in milliseconds; spawn
-    where there is no fork server."""
+    where there is no fork server. `preload`: the environment's heavy modules (`Environment.preload`), imported
+    by the fork server when this call starts it (one already running keeps what it has)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # rlkit.envs.forkserver makes the fork server ignore SIGTERM (see there) when started by this process.
     os.environ["RLKIT_ENV_FORKSERVER_PARENT"] = str(os.getpid())
-    ctx.set_forkserver_preload(["rlkit.envs.forkserver"])
+    ctx.set_forkserver_preload(["rlkit.envs.forkserver", *preload])
     return ctx
 
 
@@ -144,7 +145,7 @@ class EnvWorkers:
     ):
         self.timeout_s = timeout_s
         self.start_timeout_s = max(60.0, timeout_s)
-        ctx = context()
+        ctx = context(tuple(getattr(resolve_env(spec), "preload", ())))
         n = max(1, min(count, max_workers))
         self._workers = [_Worker(ctx, spec, dict(kwargs), self.start_timeout_s) for _ in range(n)]
         # Neighbours share a worker when there are more episodes than workers: the G episodes of a row.
