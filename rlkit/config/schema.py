@@ -294,9 +294,10 @@ class RewardConfig:
 class EnvConfig:
     name: str = "single_turn"
     """Episode environment: single_turn (the dataset's task) | calculator | an import path module:Class |
-    verifiers:<taskset id> (an installed verifiers environment) | openenv:<url> (an OpenEnv server)."""
+    verifiers:ID (an installed verifiers environment, by its taskset id) | openenv:URL (an OpenEnv server)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor (one environment per episode)."""
+    """Keyword arguments of the environment's constructor (one environment per episode); for verifiers:ID and
+    openenv:URL, the adapter's options (docs/guides/ecosystem.md)."""
     max_turns: int = 4
     """An episode ends after this many model turns."""
     max_total_tokens: Optional[int] = None

@@ -26,8 +26,8 @@ from __future__ import annotations
 import functools
 
 from rlkit.config.schema import ConfigError
-from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn
 from rlkit.envs import openenv_env, verifiers_env
+from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn
 from rlkit.envs.calculator import Calculator
 from rlkit.lookup import lookup
 

@@ -42,7 +42,9 @@ def observation_text(observation, key: str | None) -> str:
         return str(observation)
     if key is not None:
         if key not in observation:
-            raise KeyError(f"observation_key={key!r} is not a field of the observation: {sorted(observation)}")
+            raise KeyError(
+                f"observation_key={key!r} is not a field of the observation: {sorted(observation)}"
+            )
         return str(observation[key])
     shown = {k: v for k, v in observation.items() if k not in HIDDEN}
     texts = [v for v in shown.values() if isinstance(v, str)]
@@ -75,7 +77,9 @@ class OpenEnvEnv(Environment):
     @classmethod
     def rows(cls, num_tasks: int = 64, **_) -> list[dict]:
         """The dataset of `data.path=env`: one row per reset seed (`task_index`)."""
-        return [{"question": f"{cls.url} seed {i}", "answer": str(i), "task_index": i} for i in range(num_tasks)]
+        return [
+            {"question": f"{cls.url} seed {i}", "answer": str(i), "task_index": i} for i in range(num_tasks)
+        ]
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)
@@ -83,14 +87,18 @@ class OpenEnvEnv(Environment):
     def reset(self, row: dict, messages: list[dict]) -> list[dict]:
         client_cls = require()
         self._loop = asyncio.new_event_loop()
-        self._client = client_cls(base_url=self.url, connect_timeout_s=self.timeout_s, message_timeout_s=self.timeout_s)
+        self._client = client_cls(
+            base_url=self.url, connect_timeout_s=self.timeout_s, message_timeout_s=self.timeout_s
+        )
         self._run(self._client.connect())
         kwargs = dict(self.reset_kwargs)
         if "task_index" in row:
             kwargs.setdefault("seed", row["task_index"])
         result = self._run(self._client.reset(**kwargs))
         first = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return first + [{"role": "user", "content": observation_text(result.observation, self.observation_key)}]
+        return first + [
+            {"role": "user", "content": observation_text(result.observation, self.observation_key)}
+        ]
 
     def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
         result = self._run(self._client.step({self.action_key: text}))
@@ -98,7 +106,11 @@ class OpenEnvEnv(Environment):
         if result.done:
             self.close()
             return None, reward, True
-        return [{"role": "user", "content": observation_text(result.observation, self.observation_key)}], reward, False
+        return (
+            [{"role": "user", "content": observation_text(result.observation, self.observation_key)}],
+            reward,
+            False,
+        )
 
     def close(self) -> None:
         if self._client is not None:

@@ -312,7 +312,9 @@ class _Interaction:
         if isinstance(message, str):
             messages.append({"role": "user", "content": message})
         elif message is not None:
-            messages += [m if isinstance(m, dict) else {"role": m.role, "content": _text(m.content)} for m in message]
+            messages += [
+                m if isinstance(m, dict) else {"role": m.role, "content": _text(m.content)} for m in message
+            ]
         text = await self.seat._turn(self.task, self.trace, messages)
         if text is None:
             self._over = True
@@ -325,7 +327,9 @@ async def _tools(driver: _Driver, task):
     """The task's and the taskset's toolsets built in process: {tool name: callable}."""
     from verifiers.v1.utils.decorators import discover_decorated
 
-    sets = list(type(task).toolsets(task.config)) + list(driver.env.taskset.toolsets(driver.env.taskset.config))
+    sets = list(type(task).toolsets(task.config)) + list(
+        driver.env.taskset.toolsets(driver.env.taskset.config)
+    )
     tools = {}
     for toolset in sets:
         await toolset.setup()
@@ -345,7 +349,9 @@ def _with_tool_list(messages: list[dict], tools: dict) -> list[dict]:
             p.name: getattr(p.annotation, "__name__", str(p.annotation))
             for p in inspect.signature(fn).parameters.values()
         }
-        listed.append(json.dumps({"name": name, "description": (fn.__doc__ or "").strip(), "parameters": params}))
+        listed.append(
+            json.dumps({"name": name, "description": (fn.__doc__ or "").strip(), "parameters": params})
+        )
     text = (
         "You may call these tools, one JSON object per call: "
         f'{TOOL_OPEN}{{"name": <tool name>, "arguments": {{...}}}}{TOOL_CLOSE}\n<tools>\n'

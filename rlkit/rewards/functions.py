@@ -231,8 +231,12 @@ def check_config(cfg) -> None:
         )
     local_path_exists("reward.model", w.model)
     # An environment other than single_turn may reward its episodes itself (a verifiers rubric, OpenEnv).
-    if w.fn == "none" and w.model is None and not w.extra and cfg.algo.distill_coef == 0 and (
-        cfg.env.name == "single_turn"
+    if (
+        w.fn == "none"
+        and w.model is None
+        and not w.extra
+        and cfg.algo.distill_coef == 0
+        and (cfg.env.name == "single_turn")
     ):
         raise ConfigError(
             "reward.fn=none with no reward.model, no reward.extra and algo.distill_coef=0: nothing to learn "

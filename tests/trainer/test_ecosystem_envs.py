@@ -14,7 +14,13 @@ import pytest
 from test_e2e import tiny, train  # noqa: F401
 
 HERE = Path(__file__).parent
-COMMON = ["data.path=env", "data.eval_size=4", "reward.fn=none", "rollout.stop=[' ',e]", "trainer.eval_at_start=false"]
+COMMON = [
+    "data.path=env",
+    "data.eval_size=4",
+    "reward.fn=none",
+    "rollout.stop=[' ',e]",
+    "trainer.eval_at_start=false",
+]
 
 
 @pytest.fixture
@@ -96,7 +102,7 @@ def test_verifiers_multi_turn_env_keeps_the_engine_tokens_and_scores_the_trace(
     assert len(hist) == 2 and all(m["env/errors"] == 0 for m in hist)
     assert all(m["env/turns"] > 1.5 for m in hist)
     sampled = {tuple(ids): lps for ids, lps in turns}
-    multi = 0
+    multi = scored = 0
     for piece in pieces:
         rb = piece["rollout"]
         for i in range(rb.num_samples):
@@ -108,10 +114,11 @@ def test_verifiers_multi_turn_env_keeps_the_engine_tokens_and_scores_the_trace(
                 assert ids in sampled
                 assert rb.rollout_logprobs[i, run].tolist() == pytest.approx(sampled[ids])
             finished = len(runs) == guess.TURNS and rb.finish_reasons[i] != "length"
+            scored += finished
             # The task's rubric on the last reply plus the reward the env's run records itself.
             want = guess.length_score(rb.response_texts[i].strip()) + guess.BONUS * guess.BONUS_WEIGHT
             assert piece["rewards"][i].item() == pytest.approx(want if finished else 0.0)
-    assert multi > 0
+    assert multi > 0 and scored > 0
 
 
 def test_verifiers_toolset_is_served_in_process():
@@ -179,7 +186,9 @@ def test_openenv_server_on_loopback_trains(tiny, tmp_path, captured, openenv_ser
             runs = _model_runs(rb, i)
             if rb.finish_reasons[i] == "length":
                 runs = runs[:-1]  # a turn cut by the token cap is never sent to the server
-            texts = [tokenizer.decode(rb.response_ids[i, run].tolist(), skip_special_tokens=True) for run in runs]
+            texts = [
+                tokenizer.decode(rb.response_ids[i, run].tolist(), skip_special_tokens=True) for run in runs
+            ]
             # the server's reward of every step, summed
             assert piece["rewards"][i].item() == pytest.approx(sum(reward_of(t) for t in texts))
     assert any(r > 0 for p in pieces for r in p["rewards"].tolist())
@@ -189,7 +198,11 @@ def test_openenv_server_on_loopback_trains(tiny, tmp_path, captured, openenv_ser
     ("name", "hidden", "extra"),
     [
         ("verifiers:rlkit_test_vf_single", ["verifiers", "verifiers.v1"], "rlkit[verifiers]"),
-        ("openenv:http://127.0.0.1:1", ["openenv", "openenv.core", "openenv.core.generic_client"], "rlkit[openenv]"),
+        (
+            "openenv:http://127.0.0.1:1",
+            ["openenv", "openenv.core", "openenv.core.generic_client"],
+            "rlkit[openenv]",
+        ),
     ],
 )
 def test_a_missing_library_names_its_extra(monkeypatch, name, hidden, extra):
