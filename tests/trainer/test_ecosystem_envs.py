@@ -135,6 +135,10 @@ def test_verifiers_toolset_is_served_in_process():
     assert not done and "no tool 'nope'" in obs[0]["content"]
     assert env.tool_calls == 2
     assert env.step("3") == (None, 1.0, True)  # no call: the run ends, the task's reward scores "3"
+    # max_turns=1: the tool call is the last turn; the run is stopped there and scored (the reply is not "3")
+    limited = make_env("verifiers:rlkit_test_vf_tools", {"max_turns": 1})
+    limited.reset(row, [])
+    assert limited.step(call) == (None, 0.0, True)
 
 
 def _free_port() -> int:
