@@ -78,7 +78,8 @@ class ModelConfig:
 class DataConfig:
     path: str = "openai/gsm8k"
     """Hub dataset id, a local JSON/JSONL/Parquet file, a directory with train.* / test.* files, or
-    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data)."""
+    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data), or `env` (the rows of
+    the environment env.name, e.g. a verifiers taskset; data.eval_size of them held out for eval)."""
     subset: Optional[str] = "main"
     """Hub dataset configuration name (e.g. gsm8k's `main`); null for none."""
     train_split: str = "train"
@@ -295,9 +296,11 @@ class RewardConfig:
 @dataclass
 class EnvConfig:
     name: str = "single_turn"
-    """Episode environment: single_turn (the dataset's task) | calculator | an import path module:Class."""
+    """Episode environment: single_turn (the dataset's task) | calculator | an import path module:Class |
+    verifiers:ID (an installed verifiers environment, by its taskset id) | openenv:URL (an OpenEnv server)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor (one environment per episode)."""
+    """Keyword arguments of the environment's constructor (one environment per episode); for verifiers:ID and
+    openenv:URL, the adapter's options (docs/guides/ecosystem.md)."""
     max_turns: int = 4
     """An episode ends after this many model turns."""
     max_total_tokens: Optional[int] = None

@@ -15,10 +15,13 @@ from pathlib import Path
 from rlkit.config.schema import ConfigError, DataConfig
 from rlkit.data.arithmetic import check_kinds, distinct_problems, generate_arithmetic
 from rlkit.data.prompts import TEMPLATES
+from rlkit.envs import environment_rows
 
 log = logging.getLogger(__name__)
 
 ARITHMETIC = "arithmetic"
+ENV = "env"
+"""data.path=env: the rows come from the environment (env.name, e.g. verifiers:<taskset id>)."""
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -124,23 +127,26 @@ def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
 _LOADED: dict[str, tuple] = {}  # load_splits' results in this process, by `_load_key`
 
 
-def _load_key(cfg: DataConfig, seed: int) -> str:
-    """What `load_splits` depends on: the config, the seed, and each local file's size and mtime."""
+def _load_key(cfg: DataConfig, seed: int, env) -> str:
+    """What `load_splits` depends on: the config, the seed, the environment (data.path=env) and each local
+    file's size and mtime."""
     local = Path(cfg.path).expanduser()
     files = sorted(local.rglob("*")) if local.is_dir() else [local] if local.is_file() else []
     stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-    return json.dumps([dataclasses.asdict(cfg), seed, stats, str(cache_dir())], default=str)
+    env_key = None if env is None else [env.name, dict(env.kwargs)]
+    return json.dumps([dataclasses.asdict(cfg), seed, env_key, stats, str(cache_dir())], default=str)
 
 
-def load_splits(cfg: DataConfig, *, seed: int = 0):
-    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows.
+def load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
+    """(train, eval) `datasets.Dataset`s for `cfg`; eval has at most `cfg.eval_size` rows. `env`: the
+    `env.*` config, whose environment gives the rows of `data.path=env` (eval rows held out of them).
 
     The preflight loads them (`check_data`: a data error stops the run before any model loads) and the rollout
     side again: the second call in a process returns the first one's datasets (the files unchanged)."""
-    key = _load_key(cfg, seed)
+    key = _load_key(cfg, seed, env)
     if key not in _LOADED:
         _LOADED.clear()  # one data config per run: keep only the latest
-        _LOADED[key] = _load_splits(cfg, seed=seed)
+        _LOADED[key] = _load_splits(cfg, seed=seed, env=env)
     return _LOADED[key]
 
 
@@ -153,10 +159,15 @@ def check_data(cfg) -> None:
         load_splits(d, seed=cfg.trainer.seed)
 
 
-def _load_splits(cfg: DataConfig, *, seed: int = 0):
+def _load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
     import datasets
 
     path = cfg.path
+    if path == ENV:
+        if env is None:
+            raise DataError("data.path=env needs the env.* config (the environment gives the rows)")
+        ds = datasets.DatasetDict({cfg.train_split: datasets.Dataset.from_list(environment_rows(env))})
+        return _split(ds, cfg, {}, f"env.name={env.name}", seed)
     if path == ARITHMETIC:
         path = str(
             generate_arithmetic(
@@ -189,6 +200,11 @@ def _load_splits(cfg: DataConfig, *, seed: int = 0):
                 f"({type(e).__name__}: {e}). If the hub is unreachable, run offline with +recipe=quickstart, or "
                 "point data.path= at a local JSON/JSONL/Parquet file or directory (and model.path= at a local model)."
             ) from e
+    return _split(ds, cfg, where, path, seed)
+
+
+def _split(ds, cfg: DataConfig, where: dict, path: str, seed: int):
+    """(train, eval) of the loaded splits `ds` (eval held out of train when there is no eval split)."""
     if cfg.train_split not in ds:
         raise DataError(f"data.train_split={cfg.train_split!r} is not one of {list(ds)}")
     has_eval = bool(cfg.eval_split) and cfg.eval_split in ds

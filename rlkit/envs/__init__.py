@@ -18,15 +18,31 @@ processes, where a hung step is killed with everything it started). `stop` lists
 `tool_calls` counts the tool calls the environment served (logged as `env/tool_calls`, per episode).
 
 Environments are named like reward functions: a built-in (`single_turn`, `calculator`) or an import
-path `module:Class` / `module.Class`.
+path `module:Class` / `module.Class`; environments of other libraries by a prefix: `verifiers:<taskset id>`
+(rlkit/envs/verifiers_env.py) and `openenv:<url>` (rlkit/envs/openenv_env.py). An environment class with a
+classmethod `rows(**env.kwargs)` can also be the dataset (`data.path=env`).
 """
 
 from __future__ import annotations
 
 from rlkit.config.schema import ConfigError
-from rlkit.envs.base import ENVIRONMENTS, Environment, SingleTurn, make_env, resolve_env
+from rlkit.envs import openenv_env, verifiers_env
+from rlkit.envs.base import ADAPTERS, ENVIRONMENTS, Environment, SingleTurn, make_env, resolve_env
 from rlkit.envs.calculator import Calculator
 from rlkit.envs.workers import build_once, limits_of
+
+ADAPTERS.update(verifiers=verifiers_env.environment_class, openenv=openenv_env.environment_class)
+
+
+def environment_rows(env) -> list[dict]:
+    """The dataset of `data.path=env`: the rows of env.name's environment (its classmethod `rows`)."""
+    cls = resolve_env(env.name)
+    if not callable(getattr(cls, "rows", None)):
+        raise ValueError(
+            f"data.path=env: env.name={env.name!r} brings no dataset (no classmethod rows); "
+            "environments that do: verifiers:<taskset id>"
+        )
+    return cls.rows(**dict(env.kwargs))
 
 
 def check_env_config(env, rollout) -> None:
@@ -71,6 +87,7 @@ __all__ = [
     "SingleTurn",
     "check_config",
     "check_env_config",
+    "environment_rows",
     "make_env",
     "resolve_env",
 ]

@@ -19,6 +19,9 @@ class Environment:
     """Extra stop strings of a model turn (kept in the turn), besides EOS and rollout.stop."""
     tool_calls: int = 0
     """Tool calls served in this episode (logged as `env/tool_calls`)."""
+    preload: tuple[str, ...] = ()
+    """Modules (a heavy library) imported once by the fork server the environment workers fork from, so a
+    batch's workers start with them imported; a module that does not import is skipped there."""
 
     def reset(self, row: dict, messages: list[dict]) -> list[dict]:
         """The episode's first messages, from its dataset row; `messages` is the dataset's prompt
@@ -39,9 +42,18 @@ class SingleTurn(Environment):
         return None, 0.0, True
 
 
+ADAPTERS: dict = {}
+"""env.name prefixes (`<prefix>:<target>`) -> a function of the target giving the environment class: the
+environments of other libraries, adapted (rlkit.envs registers `verifiers` and `openenv`)."""
+
+
 @functools.cache
 def resolve_env(spec: str) -> type:
-    """An environment class from a registered name or an import path `module:Class` / `module.Class`."""
+    """An environment class from a registered name, an import path `module:Class` / `module.Class`, or an
+    adapter prefix (`verifiers:<taskset id>`, `openenv:<url>`)."""
+    prefix, _, target = spec.partition(":")
+    if prefix in ADAPTERS:
+        return ADAPTERS[prefix](target)
     cls = lookup(spec, ENVIRONMENTS, key="env.name", kind="Class")
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         what = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', type(cls).__name__)}"

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rlkit.envs.base import check_messages, check_step, make_env
+from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
 from rlkit.rewards.containment import ProcessCap, bound_output, kill_group, limit_this_worker
 from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
 
@@ -156,10 +156,11 @@ MAX_WORKERS = 64
 """Worker processes of one batch: one per episode up to this many (beyond it, neighbours share one)."""
 
 
-def context():
+def context(preload: tuple[str, ...] = ()):
     """Workers fork from multiprocessing's fork server (started once, clean: no torch, no CUDA, no trainer
     threads; it preloads this module and ignores SIGTERM), so a batch's workers start in milliseconds; spawn
-    where there is no fork server."""
+    where there is no fork server. `preload`: the environment's heavy modules (`Environment.preload`), imported
+    by the fork server when this call starts it (one already running keeps what it has)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -169,7 +170,7 @@ def context():
     prepared = mp_spawn.get_preparation_data("rlkit-env-worker")
     os.environ["RLKIT_ENV_MAIN_NAME"] = prepared.get("init_main_from_name", "")
     os.environ["RLKIT_ENV_MAIN_PATH"] = prepared.get("init_main_from_path", "")
-    ctx.set_forkserver_preload(["rlkit.envs.forkserver"])
+    ctx.set_forkserver_preload(["rlkit.envs.forkserver", *preload])
     return ctx
 
 
@@ -193,7 +194,7 @@ class EnvWorkers:
         self.timeout_s = timeout_s
         self.start_timeout_s = max(60.0, timeout_s)
         self.limits = limits
-        ctx = context()
+        ctx = context(tuple(getattr(resolve_env(spec), "preload", ())))
         n = max(1, min(count, max_workers))
         self._cap = ProcessCap(limits.max_processes)
         self._workers = [

@@ -319,10 +319,18 @@ def check_config(cfg) -> None:
             "reward.model='' is not a model: give a hub id or local directory, or null for none"
         )
     local_path_exists("reward.model", w.model)
-    if w.fn == "none" and w.model is None and not w.extra and cfg.algo.distill_coef == 0:
+    # An environment other than single_turn may reward its episodes itself (a verifiers rubric, OpenEnv).
+    if (
+        w.fn == "none"
+        and w.model is None
+        and not w.extra
+        and cfg.algo.distill_coef == 0
+        and (cfg.env.name == "single_turn")
+    ):
         raise ConfigError(
             "reward.fn=none with no reward.model, no reward.extra and algo.distill_coef=0: nothing to learn "
-            "from; name a reward function or distill from a teacher (algo.distill_coef > 0, algo.teacher.path)"
+            "from; name a reward function, an environment that rewards its episodes (env.name), or distill from "
+            "a teacher (algo.distill_coef > 0, algo.teacher.path)"
         )
     if w.route_by is not None and not w.routes:
         log.warning(

@@ -43,7 +43,7 @@ class LocalRollouts:
 
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        train_ds, eval_ds = load_splits(cfg.data, seed=t.seed)
+        train_ds, eval_ds = load_splits(cfg.data, seed=t.seed, env=cfg.env)
         self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train")
         self.eval_prompts = build_prompts(eval_ds, tokenizer, cfg.data, name="eval") if len(eval_ds) else None
         self.order = PromptOrder(len(self.train_prompts), seed=t.seed)

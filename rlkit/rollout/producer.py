@@ -346,7 +346,7 @@ def check_inputs(cfg) -> None:
         check_multiturn_template(load_tokenizer(cfg.model.path), cfg, probe)
     route_by = cfg.reward.route_by
     if route_by is not None:
-        train, _ = load_splits(cfg.data, seed=cfg.trainer.seed)
+        train, _ = load_splits(cfg.data, seed=cfg.trainer.seed, env=cfg.env)
         if route_by not in train.column_names:
             raise ConfigError(
                 f"reward.route_by={route_by!r} is not a column of the training data: {sorted(train.column_names)}"
