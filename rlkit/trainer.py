@@ -41,7 +41,7 @@ from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.flops import batch_flops, device_peak
+from rlkit.flops import MEASURED, DevicePeak, batch_flops, device_peak
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
@@ -118,9 +118,10 @@ class Trainer:
         self.device = self.learner.device
         # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
         peak = device_peak(self.device, self.learner.compute_dtype, t.peak_tflops) if self.is_main else None
-        self.peak, source = broadcast_object(peak, self.world)
+        flops, source = broadcast_object(peak, self.world)
+        self.peak = DevicePeak(flops, source, self._remeasure_peak if source.startswith(MEASURED) else None)
         if self.is_main:
-            log.info("peak of one device for MFU: %.1f TFLOP/s (%s)", self.peak / 1e12, source)
+            log.info("peak of one device for MFU: %.1f TFLOP/s (%s)", flops / 1e12, source)
         # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
         if t.mode == "sync":
             self.rollouts = LocalRollouts(
@@ -226,13 +227,12 @@ class Trainer:
         metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
         metrics["perf/gen_tokens_per_s"] = tokens / gen_s
         # MFU: model FLOPs (rlkit/flops.py) over the peak of every device for the phase's wall time.
-        devices = self.peak * self.world
-        metrics["perf/gen_mfu"] = batch_flops(self.learner.shape, seq, seq_sq, training=False) / (
-            gen_s * devices
-        )
-        metrics["perf/learner_mfu"] = metrics["learner/flops"] / (
-            max(metrics["learner/seconds"], 1e-9) * devices
-        )
+        # (rates per device; a rate above the peak means the peak was measured under load: it is raised)
+        gen_rate = batch_flops(self.learner.shape, seq, seq_sq, training=False) / (gen_s * self.world)
+        learn_rate = metrics["learner/flops"] / (max(metrics["learner/seconds"], 1e-9) * self.world)
+        peak = self.peak.covering(max(gen_rate, learn_rate))
+        metrics["perf/gen_mfu"] = gen_rate / peak
+        metrics["perf/learner_mfu"] = learn_rate / peak
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
         if "verify_seconds" in push_stats:
             metrics["timing/verify_push_s"] = push_stats["verify_seconds"]
@@ -242,6 +242,11 @@ class Trainer:
                 if key in metrics:
                     metrics[f"{key}/staleness_{staleness}"] = metrics[key]
         return metrics
+
+    def _remeasure_peak(self) -> float:
+        """The device peak measured again on rank 0 (every rank gets the same figure)."""
+        fresh = device_peak(self.device, self.learner.compute_dtype)[0] if self.is_main else None
+        return broadcast_object(fresh, self.world)
 
     def _score(self, rb, mask, token_metrics: MetricMerger) -> Scored:
         """3. log-probs. The whole batch needs the current policy's log-probs when the update uses them (IS

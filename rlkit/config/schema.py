@@ -353,7 +353,9 @@ class TrainerConfig:
     """Show a tqdm progress bar on rank 0."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for perf/learner_mfu and perf/gen_mfu; null = the datasheet's dense bf16
-    figure on CUDA (a table by device name), a short matmul benchmark at the compute dtype on CPU."""
+    figure on CUDA (a table by device name); on CPU a matmul benchmark at the compute dtype, the best of 5 short
+    runs and of the figures cached for this machine ($RLKIT_CACHE/cpu_peak.json); raised (with a warning) when
+    a phase runs faster than it, so MFU never exceeds 1."""
     collective_timeout_s: float = 600.0
     """With several processes: a collective that waits longer than this (a rank hung, stopped or dead) ends
     every rank with an error naming the rank that stopped."""
