@@ -351,6 +351,11 @@ class TrainerConfig:
     """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    reuse_update_forward: bool = True
+    """Take the learner's pre-update log-probs (rollout IS weights, mismatch metrics) from the update's own
+    first forward instead of a separate scoring pass, where that gives the same numbers: one optimizer step
+    per batch, no reference, critic or teacher, no IS rejection or veto, no dropout. false = always the
+    separate pass (rlkit/learner/reuse.py)."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for perf/learner_mfu and perf/gen_mfu; null = the datasheet's dense bf16
     figure on CUDA (a table by device name); on CPU a matmul benchmark at the compute dtype, the best of 5 short
