@@ -286,6 +286,9 @@ class Trainer:
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
         if "verify_seconds" in push_stats:
             metrics["timing/verify_push_s"] = push_stats["verify_seconds"]
+        for part in ("export", "cast", "load", "transfer"):  # the push's parts (rlkit.weights.push_weights)
+            if f"{part}_seconds" in push_stats:
+                metrics[f"timing/push_{part}_s"] = push_stats[f"{part}_seconds"]
         metrics["perf/peak_memory_gb"] = peak_memory_gb()
         if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
             for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
