@@ -351,6 +351,11 @@ class TrainerConfig:
     """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    compile: bool = False
+    """torch.compile the policy's forward (dynamic shapes; `learner/compiled_graphs` counts the graphs);
+    off by default: it pays only where a whole run, compilation included, is measured faster."""
+    compile_backend: str = "inductor"
+    """inductor (C++ on CPU, Triton on CUDA) | aot_eager | eager (the last two: debugging)."""
     reuse_update_forward: bool = True
     """Take the learner's pre-update log-probs (rollout IS weights, mismatch metrics) from the update's own
     first forward instead of a separate scoring pass, where that gives the same numbers: one optimizer step

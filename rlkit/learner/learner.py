@@ -41,7 +41,7 @@ from torch import Tensor
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
 from rlkit.flops import ModelShape, sequence_flops
-from rlkit.learner import checkpoint, optim, teacher
+from rlkit.learner import checkpoint, compiled, optim, teacher
 from rlkit.learner.batching import (
     Micro,
     MiniBatch,
@@ -146,6 +146,8 @@ class Learner:
             self.teacher = self._prepare_frozen(load_causal_lm(a.teacher.path, dtype=dtype, device="cpu"))
 
         self.model, self.optimizer = acc.prepare(policy, optim.adamw(policy, t))
+        if t.compile:
+            compiled.compile_policy(acc.unwrap_model(self.model), t.compile_backend)
         self.scheduler = optim.scheduler(self.optimizer, t, self.total_steps)
         self.value_model = self.value_optimizer = self.value_scheduler = None
         if a.value_model:
@@ -320,6 +322,8 @@ class Learner:
         result["learner/flops"] = torch.tensor(flops)
         result["learner/seconds"] = torch.tensor(seconds)
         result["learner/tokens_per_s"] = torch.tensor(real / seconds)
+        if self.cfg.trainer.compile:
+            result["learner/compiled_graphs"] = torch.tensor(float(compiled.compiled_graphs()))
         return result
 
     def _count_skipped(self, skipped: list[bool]) -> None:
