@@ -11,16 +11,33 @@ The attention term counts the whole T x T score matrix (PaLM's convention; a cau
 so MFU figures compare with PaLM's, torchtitan's and prime-rl's. Generation is counted as the forward of
 each finished sequence (prompt + response), whatever the engine's KV cache saves.
 
-The peak: on CUDA the datasheet's dense bf16 figure of the device (a table by name), on CPU measured once by
-a short matmul benchmark at the compute dtype; `trainer.peak_tflops` overrides both.
+The peak: on CUDA the datasheet's dense bf16 figure of the device (a table by name); on CPU a matmul
+benchmark at the compute dtype, the best of several short runs, kept per machine in
+`$RLKIT_CACHE/cpu_peak.json` with its date (the best figure ever measured for this CPU, thread count, dtype
+and torch version: load can only slow a measurement down, so the best one is the honest one);
+`trainer.peak_tflops` overrides both. A phase that runs faster than the peak proves the peak was measured
+under load: `DevicePeak.covering` then measures again and raises the peak to at least the achieved rate, with
+a warning, so an MFU above 1 is never logged.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from rlkit.models import cache_dir
+
+log = logging.getLogger(__name__)
+
+MEASURED = "measured"  # how a measured peak's source begins (the trainer measures it again when disturbed)
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s (no sparsity), by a substring of the name.
 CUDA_PEAK_TFLOPS = (
@@ -68,17 +85,65 @@ def batch_flops(shape: ModelShape, tokens: float, tokens_sq: float, *, training:
     return c * shape.matmul_params * tokens + 2 * c * shape.layers * shape.attention_width * tokens_sq
 
 
-def measured_cpu_peak(dtype: torch.dtype, *, seconds: float = 0.3, size: int = 1024) -> float:
-    """FLOP/s of the best `size` x `size` matmul at `dtype` over about `seconds` on this CPU (all threads)."""
+def measured_cpu_peak(
+    dtype: torch.dtype, *, seconds: float = 0.3, size: int = 1024, runs: int = 1, pause: float = 0.05
+) -> float:
+    """FLOP/s of the best `size` x `size` matmul at `dtype` on this CPU (all threads): the best of `runs`
+    runs of about `seconds` each, `pause` seconds apart (a burst of load on the machine spoils one run, not
+    the best of several)."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     torch.mm(a, b)  # warm-up
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2.0 * size**3 / (time.perf_counter() - start))
+    best = 0.0
+    for i in range(runs):
+        if i:
+            time.sleep(pause)
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2.0 * size**3 / (time.perf_counter() - start))
     return best
+
+
+def _cpu_key(dtype: torch.dtype) -> str:
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import platform
+
+    name = name or platform.processor() or platform.machine()
+    return f"{name} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
+
+
+def cached_cpu_peak(dtype: torch.dtype, *, path: Path | None = None, **measure) -> tuple[float, str]:
+    """(peak FLOP/s, where it comes from): the best of a fresh `measured_cpu_peak` (best of 5 runs) and
+    the best figure stored for this machine in `path` (default `$RLKIT_CACHE/cpu_peak.json`), which is
+    updated when the fresh figure is higher. An unwritable cache only loses the memory, never the run."""
+    path = Path(path) if path is not None else cache_dir() / "cpu_peak.json"
+    key = _cpu_key(dtype)
+    fresh = measured_cpu_peak(dtype, **{"runs": 5, "seconds": 0.1, **measure})
+    try:
+        table = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        table = {}
+    cached = table.get(key) or {}
+    if fresh > cached.get("flops", 0.0):
+        table[key] = {"flops": fresh, "date": datetime.date.today().isoformat()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+        except OSError as e:
+            log.debug("cannot store the CPU peak in %s: %s", path, e)
+        return fresh, f"measured: {dtype} matmul on this CPU, best of 5 runs now"
+    return cached["flops"], f"measured: the best {dtype} matmul on this CPU ({cached['date']}, {path})"
 
 
 def device_peak(
@@ -93,4 +158,31 @@ def device_peak(
             if key in name:
                 return tflops * 1e12, f"datasheet bf16 dense peak of {key}"
         return float("nan"), f"no datasheet peak for {name!r}: set trainer.peak_tflops"
-    return measured_cpu_peak(dtype), f"measured {dtype} matmul on this CPU"
+    return cached_cpu_peak(dtype)
+
+
+class DevicePeak:
+    """The peak FLOP/s of one device that MFU divides by, raised when a phase proves it too low.
+
+    `remeasure` (called when a phase ran faster than the peak) returns a fresh measurement, or None where
+    there is nothing to measure (a datasheet figure, `trainer.peak_tflops`)."""
+
+    def __init__(self, flops: float, source: str, remeasure: Callable[[], float | None] | None = None):
+        self.flops, self.source, self.remeasure = flops, source, remeasure
+
+    def covering(self, achieved: float) -> float:
+        """The peak, first raised to at least `achieved` FLOP/s of one device (with a warning) when a phase
+        ran faster than it: a measurement taken under load. Every MFU divided by it is then at most 1."""
+        if not achieved > self.flops:  # NaN peaks (unknown GPU) stay NaN
+            return self.flops
+        fresh = self.remeasure() if self.remeasure is not None else None
+        new = max(achieved, fresh or 0.0)
+        log.warning(
+            "a phase ran at %.3g TFLOP/s per device, above the peak of %.3g TFLOP/s (%s): the peak measurement "
+            "was disturbed (load on the machine) or the figure is too low; MFU is now against %.3g TFLOP/s%s",
+            achieved / 1e12, self.flops / 1e12, self.source, new / 1e12,
+            " (measured again)" if fresh else "; set trainer.peak_tflops to the device's real peak",
+        )  # fmt: skip
+        self.flops = new
+        self.source = f"raised at run time ({'measured again' if fresh else 'the achieved rate'})"
+        return self.flops

@@ -5,7 +5,9 @@
                    (1-2 are the rollout half: `self.rollouts.produce`, in this process with
                    trainer.mode=sync, in rollout worker processes with trainer.mode=async)
     3 logprobs     learner.forward: current policy (mismatch metrics, IS, off-policy ratio),
-                   reference (KL), values (PPO); `teacher`: the distillation teacher's (algo.distill_coef)
+                   reference (KL), values (PPO); `teacher`: the distillation teacher's (algo.distill_coef).
+                   Skipped when the update's own first forward gives the same numbers (one optimizer step
+                   per batch and no other model: rlkit/learner/reuse.py); then 5's metrics follow 6.
     4 advantages   the registered estimator of rlkit.algos.advantages (+ zero-std group masking),
                    plus the distillation term of rlkit.algos.distill
     5 correction   rlkit.algos.correction.rollout_is + mismatch metrics
@@ -41,8 +43,10 @@ from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.flops import batch_flops, device_peak
+from rlkit.flops import MEASURED, DevicePeak, batch_flops, device_peak
 from rlkit.learner import Learner
+from rlkit.learner.learner import LogProbs
+from rlkit.learner.reuse import ForwardScores, has_dropout, reusable
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
 from rlkit.metrics import MetricMerger, step_statistics, to_host
@@ -118,12 +122,21 @@ class Trainer:
         self.group_size = cfg.rollout.group_size
         self.learner = Learner(cfg, self.accelerator)
         self.distill = self.learner.teacher is not None  # on-policy distillation (algo.distill_coef > 0)
+        # Phase 3 folded into the update's first forward (rlkit/learner/reuse.py), when nothing differs.
+        policy = self.learner.accelerator.unwrap_model(self.learner.model)
+        self.reuse_forward, why = reusable(cfg, dropout=has_dropout(policy))
+        if self.rank == 0:
+            log.info(
+                "log-probs: %s",
+                "from the update's forward" if self.reuse_forward else f"a separate pass ({why})",
+            )
         self.device = self.learner.device
         # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
         peak = device_peak(self.device, self.learner.compute_dtype, t.peak_tflops) if self.is_main else None
-        self.peak, source = broadcast_object(peak, self.world)
+        flops, source = broadcast_object(peak, self.world)
+        self.peak = DevicePeak(flops, source, self._remeasure_peak if source.startswith(MEASURED) else None)
         if self.is_main:
-            log.info("peak of one device for MFU: %.1f TFLOP/s (%s)", self.peak / 1e12, source)
+            log.info("peak of one device for MFU: %.1f TFLOP/s (%s)", flops / 1e12, source)
         # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
         if t.mode == "sync":
             self.rollouts = LocalRollouts(
@@ -191,6 +204,8 @@ class Trainer:
         rb = produced.rollout
         mask = rb.response_mask.to(self.device).bool()
         token_metrics = MetricMerger()
+        if self.reuse_forward:
+            return self._learn_reusing(produced, mask, token_metrics, timers, step_start)
         with timers("logprobs"):
             scored = self._score(rb, mask, token_metrics)
         teacher_logp = None
@@ -207,6 +222,42 @@ class Trainer:
             is_weights, loss_mask = self._correction(rb, mask, loss_mask, scored, token_metrics)
         with timers("update"):
             update_metrics = self._update(rb, loss_mask, advantages, returns, is_weights, scored)
+        return self._finish(produced, mask, zero_std, update_metrics, token_metrics, timers, step_start)
+
+    def _learn_reusing(
+        self, produced: ScoredBatch, mask, token_metrics: MetricMerger, timers: Timers, step_start
+    ):
+        """Phases 4, 6 and then 5 when the update's first forward scores the batch (rlkit/learner/reuse.py):
+        the IS weights come from inside the update, the metrics from the log-probs it collected."""
+        rb, a = produced.rollout, self.cfg.algo
+        timers.add("logprobs", 0.0)  # phase 3 did not run (the key stays, for dashboards and comparisons)
+        n = rb.num_samples
+        scored = n  # as _score: every row with IS weights, else rollout.mismatch_samples rows (0 = all)
+        if not a.rollout_is.enabled and self.cfg.rollout.mismatch_samples > 0:
+            scored = min(self.cfg.rollout.mismatch_samples, n)
+        probe = mask & (torch.arange(n, device=self.device) < scored)[:, None]
+        rollout_logp = rb.rollout_logprobs.to(self.device).float()
+        with timers("advantages"):
+            advantages, returns, zero_std, loss_mask = self._advantages(
+                produced, mask, Scored(None, probe, None, None), None, token_metrics
+            )
+        scores = ForwardScores(
+            probe, rollout_logprobs=rollout_logp, is_cfg=a.rollout_is if a.rollout_is.enabled else None
+        )
+        with timers("update"):
+            update_metrics = self.learner.update(
+                self._train_batch(rb, loss_mask, advantages, returns, None, None), scores=scores
+            )
+        with timers("correction"):
+            lp = LogProbs(logprobs=scores.logprobs[:scored], entropy=scores.entropy[:scored])
+            view = Scored(lp.logprobs, probe[:scored], lp, None)
+            token_metrics.add({"rollout/entropy": _masked_mean(lp.entropy, view.probe)}, view.probe.sum())
+            # The metrics over the whole batch; the weights it returns equal those the update used.
+            self._correction(rb, mask, loss_mask, view, token_metrics)
+        return self._finish(produced, mask, zero_std, update_metrics, token_metrics, timers, step_start)
+
+    def _finish(self, produced, mask, zero_std, update_metrics, token_metrics, timers, step_start) -> dict:
+        """7. the weight push, then the step's metrics."""
         # 7. weight push (the rollout side evaluates the new weights when an eval is due)
         with timers("weight_push"):
             version = self.step + 1
@@ -232,22 +283,29 @@ class Trainer:
         metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
         metrics["perf/gen_tokens_per_s"] = tokens / gen_s
         # MFU: model FLOPs (rlkit/flops.py) over the peak of every device for the phase's wall time.
-        devices = self.peak * self.world
-        metrics["perf/gen_mfu"] = batch_flops(self.learner.shape, seq, seq_sq, training=False) / (
-            gen_s * devices
-        )
-        metrics["perf/learner_mfu"] = metrics["learner/flops"] / (
-            max(metrics["learner/seconds"], 1e-9) * devices
-        )
+        # (rates per device; a rate above the peak means the peak was measured under load: it is raised)
+        gen_rate = batch_flops(self.learner.shape, seq, seq_sq, training=False) / (gen_s * self.world)
+        learn_rate = metrics["learner/flops"] / (max(metrics["learner/seconds"], 1e-9) * self.world)
+        peak = self.peak.covering(max(gen_rate, learn_rate))
+        metrics["perf/gen_mfu"] = gen_rate / peak
+        metrics["perf/learner_mfu"] = learn_rate / peak
         metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
         if "verify_seconds" in push_stats:
             metrics["timing/verify_push_s"] = push_stats["verify_seconds"]
+        for part in ("export", "cast", "load", "transfer"):  # the push's parts (rlkit.weights.push_weights)
+            if f"{part}_seconds" in push_stats:
+                metrics[f"timing/push_{part}_s"] = push_stats[f"{part}_seconds"]
         metrics["perf/peak_memory_gb"] = peak_memory_gb()
         if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
             for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
                 if key in metrics:
                     metrics[f"{key}/staleness_{staleness}"] = metrics[key]
         return metrics
+
+    def _remeasure_peak(self) -> float:
+        """The device peak measured again on rank 0 (every rank gets the same figure)."""
+        fresh = device_peak(self.device, self.learner.compute_dtype)[0] if self.is_main else None
+        return broadcast_object(fresh, self.world)
 
     def _score(self, rb, mask, token_metrics: MetricMerger) -> Scored:
         """3. log-probs. The whole batch needs the current policy's log-probs when the update uses them (IS
@@ -326,9 +384,14 @@ class Trainer:
 
     def _update(self, rb, loss_mask, advantages, returns, is_weights, scored: Scored) -> dict:
         """6. one `learner.update` on the TrainBatch."""
+        return self.learner.update(self._train_batch(rb, loss_mask, advantages, returns, is_weights, scored))
+
+    def _train_batch(
+        self, rb, loss_mask, advantages, returns, is_weights, scored: Scored | None
+    ) -> TrainBatch:
         a = self.cfg.algo
-        lp = scored.lp
-        batch = TrainBatch(
+        lp = scored.lp if scored is not None else None
+        return TrainBatch(
             prompt_ids=rb.prompt_ids.to(self.device),
             prompt_mask=rb.prompt_mask.to(self.device),
             response_ids=rb.response_ids.to(self.device),
@@ -341,7 +404,6 @@ class Trainer:
             values=lp.values.to(self.device) if a.value_model else None,
             returns=returns,
         )
-        return self.learner.update(batch)
 
     def _check_weight_sync(self, metrics: dict[str, float], *, after_push: bool) -> None:
         value = metrics.get("mismatch/kl")

@@ -222,9 +222,23 @@ class PushGuard:
 
 
 def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtype | None) -> Iterator:
-    for name, tensor in named:
+    """The stream with its bookkeeping: counts, bytes, and the seconds spent producing each tensor (the
+    export: an FSDP2 all-gather, a LoRA merge) and casting it, so the engine's own part is the rest."""
+    stats.setdefault("export_seconds", 0.0)
+    stats.setdefault("cast_seconds", 0.0)
+    it = iter(named)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            stats["export_seconds"] += time.perf_counter() - t0
+            return
+        t1 = time.perf_counter()
         if dtype is not None:
             tensor = tensor.to(dtype)
+        stats["export_seconds"] += t1 - t0
+        stats["cast_seconds"] += time.perf_counter() - t1
         stats["num_tensors"] += 1
         stats["num_params"] += tensor.numel()
         stats["bytes"] += tensor.numel() * tensor.element_size()
@@ -238,7 +252,9 @@ def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) ->
     push that cannot fit fails before anything is copied or gathered. `dtype` casts each tensor
     before it is handed over (e.g. bf16 for a bf16 engine, halving the bytes moved); None keeps the
     learner's dtype (fp32 master weights) and lets the engine cast.
-    Returns stats: `seconds`, `num_tensors`, `num_params`, `bytes`, `gb_per_s`.
+    Returns stats: `seconds`, `num_tensors`, `num_params`, `bytes`, `gb_per_s`, and the parts of `seconds`:
+    `export_seconds` (producing the tensors), `cast_seconds`, `load_seconds` (the engine's own: for vLLM the
+    copy into its layers, their reprocessing into kernel format and the prefix-cache reset).
     """
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
@@ -247,7 +263,9 @@ def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) ->
         torch.cuda.synchronize()
     if stats["num_tensors"] == 0:
         raise RuntimeError("push_weights: the learner exported no tensors")
-    return _finished(stats, start)
+    done = _finished(stats, start)
+    done["load_seconds"] = max(0.0, done["seconds"] - stats["export_seconds"] - stats["cast_seconds"])
+    return done
 
 
 def _finished(stats: dict, start: float) -> dict[str, float]:
@@ -282,7 +300,10 @@ def send_weights(
         if digests is not None:
             digests[name] = digest(tensor)
         pg.broadcast(tensor.detach().to(device).contiguous(), 0).wait()
-    return _finished(stats, start)
+    done = _finished(stats, start)
+    # The rest of the push: digests and the broadcast to the workers (their engines load on their own).
+    done["transfer_seconds"] = max(0.0, done["seconds"] - stats["export_seconds"] - stats["cast_seconds"])
+    return done
 
 
 def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) -> None:

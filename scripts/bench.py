@@ -17,7 +17,10 @@ forward and backward (rlkit `learner/tokens`, which leaves out zero-std rows it 
 completion masks of every row its loss sees); learner seconds are the forward, backward and optimizer
 step (rlkit `learner/seconds`; TRL from its loss's first call to the end of the step). Generated tokens
 per second divide each step's response tokens by its generation time (rlkit's generate phase; TRL's
-`_generate`). Learning (time to a reward level, per seed) only means something at natural lengths, so
+`_generate`). MFU (rlkit `perf/learner_mfu`, `perf/gen_mfu`) divides model FLOPs by the device's peak: on
+CPU the best matmul rlkit has measured on this machine at the compute dtype (best of 5 runs at start-up and
+the figures cached in `$RLKIT_CACHE/cpu_peak.json`), raised with a warning when a phase runs faster (a peak
+measured under load), so it never exceeds 1; `trainer.peak_tflops` sets it. Learning (time to a reward level, per seed) only means something at natural lengths, so
 --fixed-length leaves it out.
 
 Both frameworks run the quickstart_1digit recipe's task (the quickstart until 2026-11-23: its data, prompt

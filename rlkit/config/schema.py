@@ -364,9 +364,21 @@ class TrainerConfig:
     """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    compile: bool = False
+    """torch.compile the policy's forward (dynamic shapes; `learner/compiled_graphs` counts the graphs);
+    off by default: it pays only where a whole run, compilation included, is measured faster."""
+    compile_backend: str = "inductor"
+    """inductor (C++ on CPU, Triton on CUDA) | aot_eager | eager (the last two: debugging)."""
+    reuse_update_forward: bool = True
+    """Take the learner's pre-update log-probs (rollout IS weights, mismatch metrics) from the update's own
+    first forward instead of a separate scoring pass, where that gives the same numbers: one optimizer step
+    per batch, no reference, critic or teacher, no IS rejection or veto, no dropout. false = always the
+    separate pass (rlkit/learner/reuse.py)."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for perf/learner_mfu and perf/gen_mfu; null = the datasheet's dense bf16
-    figure on CUDA (a table by device name), a short matmul benchmark at the compute dtype on CPU."""
+    figure on CUDA (a table by device name); on CPU a matmul benchmark at the compute dtype, the best of 5 short
+    runs and of the figures cached for this machine ($RLKIT_CACHE/cpu_peak.json); raised (with a warning) when
+    a phase runs faster than it, so MFU never exceeds 1."""
     collective_timeout_s: float = 600.0
     """With several processes: a collective that waits longer than this (a rank hung, stopped or dead) ends
     every rank with an error naming the rank that stopped."""

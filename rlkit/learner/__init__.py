@@ -5,17 +5,18 @@ It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the
 `rlkit.weights.Export`.
 """
 
-from rlkit.learner import lora, optim, strategy, teacher
+from rlkit.learner import compiled, lora, optim, strategy, teacher
 from rlkit.learner.learner import Learner, LogProbs
 
 __all__ = ["Learner", "LogProbs", "check_config"]
 
 
 def check_config(cfg) -> None:
-    """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule, model.lora.*, the
+    """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule / compile_backend, model.lora.*, the
     distillation teacher)."""
 
     strategy.check_config(cfg)
     optim.check_config(cfg)
     lora.check_config(cfg)
     teacher.check_config(cfg)
+    compiled.check_config(cfg)

@@ -41,7 +41,7 @@ from torch import Tensor
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
 from rlkit.flops import ModelShape, sequence_flops
-from rlkit.learner import checkpoint, optim, teacher
+from rlkit.learner import checkpoint, compiled, optim, teacher
 from rlkit.learner.batching import (
     Micro,
     MiniBatch,
@@ -53,6 +53,7 @@ from rlkit.learner.batching import (
 from rlkit.learner.logprobs import critic_values, score
 from rlkit.learner.lora import add_adapters, base_manifest, merged_weights
 from rlkit.learner.loss import micro_loss
+from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import load_causal_lm, resolve_model
@@ -144,6 +145,8 @@ class Learner:
             self.teacher = self._prepare_frozen(teacher.load(cfg, self.compute_dtype))
 
         self.model, self.optimizer = acc.prepare(policy, optim.adamw(policy, t))
+        if t.compile:
+            compiled.compile_policy(acc.unwrap_model(self.model), t.compile_backend)
         self.scheduler = optim.scheduler(self.optimizer, t, self.total_steps)
         self.value_model = self.value_optimizer = self.value_scheduler = None
         if a.value_model:
@@ -185,13 +188,14 @@ class Learner:
 
     @torch.no_grad()
     def forward(
-        self, batch, *, policy: bool = True, ref: bool = False, values: bool = False, teacher: bool = False
-    ) -> LogProbs:
+        self, batch, *, policy: bool = True, ref: bool = False, values: bool = False, teacher: bool = False,
+        skip_empty: bool = False,
+    ) -> LogProbs:  # fmt: skip
         """Score a RolloutBatch, TrainBatch or Sequences (prompt_ids/prompt_mask/response_ids/response_mask).
 
         Returns detached [N, T] float32 tensors, 0 where `response_mask` is False. Every rank must call
         it (FSDP all-gathers inside); `ref=True` needs `algo.kl_coef > 0`, `values=True` needs a critic,
-        `teacher=True` needs `algo.distill_coef > 0`.
+        `teacher=True` needs `algo.distill_coef > 0`. `skip_empty`: rows without a True token are not run.
         """
         if teacher and self.teacher is None:
             raise ValueError(
@@ -210,7 +214,9 @@ class Learner:
         }  # fmt: skip
         out = {k: torch.zeros(n, t_full, device=self.device) for k, on in wanted.items() if on}
         t = self.cfg.trainer
-        micros = microbatches(rows, t.max_tokens_per_microbatch, packed=t.pack_sequences)
+        micros = microbatches(
+            rows, t.max_tokens_per_microbatch, packed=t.pack_sequences, skip_empty=skip_empty
+        )
         count = all_reduce(
             torch.tensor([len(micros)], device=self.device), self.world_size, op=dist.ReduceOp.MAX
         )
@@ -267,13 +273,16 @@ class Learner:
             agg_mode=self.algo.loss_agg_mode, norm_len=self.norm_len, world=self.world_size, device=self.device,
         )  # fmt: skip
 
-    def update(self, batch: TrainBatch) -> dict[str, Tensor]:
+    def update(self, batch: TrainBatch, *, scores: ForwardScores | None = None) -> dict[str, Tensor]:
         """`algo.ppo_epochs` passes of `algo.mini_batches` optimizer steps over this rank's rows.
 
         Returns metrics merged over micro-batches, mini-batches and ranks (token-weighted means; max/min
-        keys as max/min), 0-dim float32 CPU tensors, moved to the host together at the end.
+        keys as max/min), 0-dim float32 CPU tensors, moved to the host together at the end. With `scores`
+        (on-policy updates only, rlkit/learner/reuse.py) the update's first forward fills it with the
+        pre-update log-probs and entropy, and supplies the rollout IS weights micro-batch by micro-batch.
         """
         self.check_batch(batch)
+        self._score_untrained(batch, scores)
         start = time.perf_counter()
         if self.off_policy and batch.old_logprobs is None:
             # The behaviour policy is the one before the first step; later steps are off-policy against it.
@@ -286,7 +295,7 @@ class Learner:
         counts = [0.0, 0.0, 0.0]  # real tokens, tokens the model ran on, model FLOPs (host numbers: no sync)
         for _ in range(self.algo.ppo_epochs):
             for mb in plans:
-                finite, done = self._accumulate(mb, merger)
+                finite, done = self._accumulate(mb, merger, scores)
                 counts = [a + b for a, b in zip(counts, done)]
                 step_metrics.append(self._optimizer_step(finite))
 
@@ -312,6 +321,8 @@ class Learner:
         result["learner/flops"] = torch.tensor(flops)
         result["learner/seconds"] = torch.tensor(seconds)
         result["learner/tokens_per_s"] = torch.tensor(real / seconds)
+        if self.cfg.trainer.compile:
+            result["learner/compiled_graphs"] = torch.tensor(float(compiled.compiled_graphs()))
         return result
 
     def _count_skipped(self, skipped: list[bool]) -> None:
@@ -325,24 +336,43 @@ class Learner:
         for s in skipped:
             self.nonfinite_run = self.nonfinite_run + 1 if s else 0
 
-    def accumulate_gradients(self, batch: TrainBatch) -> dict[str, Tensor]:
+    def accumulate_gradients(
+        self, batch: TrainBatch, *, scores: ForwardScores | None = None
+    ) -> dict[str, Tensor]:
         """Accumulate into `.grad` the gradient of the loss over the whole global batch, no optimizer step.
 
-        The same path as one mini-batch of `update` (gradient inspection); returns the merged metrics.
-        Call `zero_grad()` between calls.
+        The same path as one mini-batch of `update` (gradient inspection; `scores` as there); returns the
+        merged metrics. Call `zero_grad()` between calls.
         """
         self.check_batch(batch)
+        self._score_untrained(batch, scores)
         merger = MetricMerger()
         for mb in self.plan(batch, 1):
-            self._accumulate(mb, merger)
+            self._accumulate(mb, merger, scores)
         return merger.compute()
+
+    def _score_untrained(self, batch: TrainBatch, scores: ForwardScores | None) -> None:
+        """Before any optimizer step: score (no grad) the rows `scores` wants that hold no loss token, which
+        the update never runs. Every rank calls the forward, with or without such rows."""
+        if scores is None:
+            return
+        if self.off_policy:
+            raise ValueError(
+                "update(scores=...) needs an on-policy update (algo.ppo_epochs * mini_batches == 1)"
+            )
+        rows = scores.untrained_rows(batch.response_mask)
+        seqs = Sequences(batch.prompt_ids, batch.prompt_mask, batch.response_ids, scores.mask & rows[:, None])
+        lp = self.forward(seqs, skip_empty=True)
+        scores.put(rows, lp.logprobs, lp.entropy)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self.value_optimizer is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
 
-    def _accumulate(self, mb: MiniBatch, merger: MetricMerger) -> tuple[Tensor, tuple[float, float, float]]:
+    def _accumulate(
+        self, mb: MiniBatch, merger: MetricMerger, scores: ForwardScores | None = None
+    ) -> tuple[Tensor, tuple[float, float, float]]:
         """Forward + backward over the micro-batches of one mini-batch (all-reduce on the last one only).
         Returns whether every micro-batch's loss was finite (a 0-dim bool tensor: no host sync) and this
         rank's (real tokens, tokens run, model FLOPs of the real tokens), host numbers."""
@@ -351,7 +381,7 @@ class Learner:
         packed = self.cfg.trainer.pack_sequences
         for i, m in enumerate(mb.micros):
             with self._no_sync(last=i == len(mb.micros) - 1):
-                loss, metrics, weight = self._micro_loss(m, mb)
+                loss, metrics, weight = self._micro_loss(m, mb, scores)
                 finite = finite & torch.isfinite(loss.detach())
                 # DDP / FSDP average gradients over ranks; the loss is already this rank's share of the sum.
                 self.accelerator.backward(loss * self.world_size)
@@ -371,14 +401,19 @@ class Learner:
                     stack.enter_context(self.accelerator.no_sync(model))
         return stack
 
-    def _micro_loss(self, m: Micro, mb: MiniBatch) -> tuple[Tensor, dict, Tensor]:
+    def _micro_loss(
+        self, m: Micro, mb: MiniBatch, scores: ForwardScores | None = None
+    ) -> tuple[Tensor, dict, Tensor]:
         t = m.response_len
+        logp, entropy = self._scores(self.model, m, entropy=True, entropy_grad=self.algo.entropy_coef > 0)
+        is_weights = scores.take(m.rows, logp, entropy) if scores is not None else None
 
         def tok(name: str) -> Tensor | None:
+            if name == "is_weights" and is_weights is not None:
+                return is_weights
             v = getattr(m.batch, name)
             return None if v is None else v[:, :t].to(self.device)
 
-        logp, entropy = self._scores(self.model, m, entropy=True, entropy_grad=self.algo.entropy_coef > 0)
         values = self._values(m) if self.value_model is not None else None
         return micro_loss(
             self.algo, self.kl_coef, tok, tok("response_mask").bool(), mb, logp, entropy, values

@@ -65,6 +65,8 @@ from learner_helpers import (
     reference_grads,
     step_batches,
 )
+from reuse_helpers import LOSS as REUSE_LOSS
+from reuse_helpers import assert_same, both_paths, reuse_batches, rollout_logprobs
 
 from rlkit.algos.losses import AGG_MODES
 from rlkit.learner import Learner
@@ -132,12 +134,29 @@ def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
     out["ref_logprobs"] = straight.forward(mine, ref=True, policy=False).ref_logprobs
     out["values_after"] = straight.forward(mine, values=True, policy=False).values
 
+    if dtype == "float32":  # the update's reused forward equals the separate scoring pass (test_reuse.py)
+        out["reuse"] = _reuse_paths(learner_cfg(model_path=model_dir, strategy="fsdp2", **REUSE_LOSS), rank)
     # A fresh critic (sharded) scores like an unsharded one.
     critic = Learner(cfg(value_model=True, kl_coef=0.0))
     out["values"] = critic.forward(mine, values=True, policy=False).values
     out["push"] = _push_into_hf_engine(tok_dir, dtype, rank)
     torch.save(out, f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def _reuse_paths(config, rank: int) -> dict:
+    """Both scoring paths (reuse_helpers.both_paths) on this rank's rows, token and sequence IS levels."""
+    from rlkit.config.schema import RolloutISConfig
+
+    learner = Learner(config)
+    sampled, train = (b.select(RANK_ROWS[rank]) for b in reuse_batches())
+    rollout = rollout_logprobs(learner, sampled, seed=10 + rank)
+    return {
+        level: both_paths(
+            learner, sampled, train, rollout, RolloutISConfig(enabled=True, level=level, upper=1.5)
+        )
+        for level in ("token", "sequence")
+    }
 
 
 def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
@@ -284,6 +303,15 @@ def test_four_steps_match_one_process_metrics_grad_norm_and_weights(fsdp2, singl
             rms = (ranks[0]["straight_weights"][k].double() - w.double()).pow(2).mean().sqrt()
             assert rms <= bound, f"{k}: RMS difference {rms:.3g} > {bound:.3g}"
     assert_dicts_close(ranks[1]["straight_weights"], ranks[0]["straight_weights"], 0.0)
+
+
+def test_reused_forward_equals_the_separate_pass(fsdp2_fp32):
+    """Log-probs, entropy, IS weights, IS and mismatch metrics, loss and the gathered gradient of the update's
+    reused forward equal the separate pass's on each rank (rank 0: several micro-batches, rank 1: one)."""
+    _, ranks, _ = fsdp2_fp32
+    for out in ranks:
+        for result in out["reuse"].values():
+            assert_same(result)
 
 
 def test_four_steps_equal_two_plus_resume_plus_two(fsdp2_fp32):

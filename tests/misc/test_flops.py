@@ -1,9 +1,17 @@
 """The FLOP count (rlkit/flops.py) against a hand count on a tiny config."""
 
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlkit.flops import ModelShape, measured_cpu_peak, sequence_flops
+from rlkit.flops import MEASURED, DevicePeak, ModelShape, cached_cpu_peak, measured_cpu_peak, sequence_flops
 
 
 def _tiny(tie: bool):
@@ -35,3 +43,63 @@ def test_sequence_flops_by_hand():
 def test_measured_peak_is_a_plausible_rate():
     peak = measured_cpu_peak(torch.float32, seconds=0.05, size=256)
     assert 1e8 < peak < 1e14
+
+
+def _matmul_rate(size: int, seconds: float) -> float:
+    """FLOP/s of a stream of `size` x `size` matmuls timed as a whole (how a training phase is timed)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        n += 1
+    return n * 2.0 * size**3 / (time.perf_counter() - start)
+
+
+def test_peak_measured_under_a_busy_cpu_never_gives_mfu_above_1(tmp_path, caplog):
+    # Every core busy with a spinner while the peak is measured (as a loaded machine at start-up) ...
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 2)]
+    try:
+        time.sleep(0.2)
+        flops, source = cached_cpu_peak(torch.float32, path=tmp_path / "peak.json", seconds=0.03, size=256)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert source.startswith(MEASURED)
+    peak = DevicePeak(flops, source, lambda: measured_cpu_peak(torch.float32, seconds=0.03, size=256, runs=3))
+    # ... then the "phase" runs on the freed cores: whatever the measurement said, MFU stays <= 1.
+    with caplog.at_level(logging.WARNING, logger="rlkit.flops"):
+        for _ in range(3):
+            achieved = _matmul_rate(256, 0.2)
+            mfu = achieved / peak.covering(achieved)
+            assert 0 < mfu <= 1.0
+    raised = peak.flops > flops
+    assert raised == any("peak measurement was disturbed" in r.getMessage() for r in caplog.records)
+
+
+def test_covering_raises_a_low_peak_to_the_achieved_rate_and_keeps_a_high_one(caplog):
+    peak = DevicePeak(
+        100.0, "trainer.peak_tflops"
+    )  # nothing to measure again: the achieved rate is the floor
+    assert peak.covering(50.0) == 100.0 and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="rlkit.flops"):
+        assert peak.covering(250.0) == 250.0
+    assert "set trainer.peak_tflops" in caplog.text
+    assert DevicePeak(100.0, "m", lambda: 400.0).covering(250.0) == 400.0  # a fresh figure above the rate
+    assert math.isnan(DevicePeak(float("nan"), "unknown GPU").covering(1e12))
+
+
+def test_cached_peak_keeps_the_best_figure_with_its_date(tmp_path):
+    path = tmp_path / "peak.json"
+    fresh, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    table = json.loads(path.read_text())
+    (entry,) = table.values()
+    assert entry["flops"] == fresh and "now" in source
+    # A figure stored earlier above anything this CPU reaches now (an idle day) wins, with its date.
+    entry.update(flops=1e18, date="2026-01-02")
+    path.write_text(json.dumps(table))
+    flops, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    assert flops == 1e18 and "2026-01-02" in source and source.startswith(MEASURED)
+    assert json.loads(path.read_text()) == table  # a lower fresh figure leaves the cache as it was

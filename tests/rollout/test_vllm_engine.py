@@ -24,6 +24,7 @@ from rlkit.weights import (  # noqa: E402
     WeightSyncError,
     iter_full_parameters,
     module_manifest,
+    push_weights,
     verify_push,
 )
 
@@ -343,3 +344,47 @@ def test_a_bf16_engine_takes_fp32_pushes_rounded_once(ckpts, prompts):
         assert to_pushed < 0.05 and to_original > 5 * to_pushed
     finally:
         engine.close()
+
+
+def test_a_push_logs_no_warning_and_one_debug_line(case, capfd, caplog):
+    """vLLM's per-push lines (INFO, and the rotary layer's WARNING "Failed to load weights") stay off the
+    user's console; rlkit logs one debug line holding them; the push's parts are timed."""
+    import logging
+
+    _, ckpt, engine, _ = case
+    model = load_causal_lm(ckpt)
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="rlkit.rollout.engines.vllm"):
+        stats = push_weights(Export(module_manifest(model), model.named_parameters), engine)
+    out, err = capfd.readouterr()
+    assert "WARNING" not in out + err and "Reloading" not in out + err, out + err
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM push")]
+    assert "Failed to load weights" in line and "Reloading" in line
+    parts = stats["export_seconds"] + stats["cast_seconds"] + stats["load_seconds"]
+    assert stats["load_seconds"] > 0 and parts == pytest.approx(stats["seconds"])
+
+
+def test_quiet_push_logs_keeps_real_warnings_and_errors():
+    import logging
+
+    from rlkit.rollout.engines.vllm_logs import PUSH_LOGGERS, quiet_push_logs
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    lg = logging.getLogger(PUSH_LOGGERS[1])  # layerwise
+    lg.addHandler(handler)
+    try:
+        with quiet_push_logs() as quieted:
+            lg.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")  # benign: held back
+            lg.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real layer: shown
+            lg.error("boom")
+        lg.warning("%s: Failed to load weights", "RotaryEmbedding")  # outside a push: shown
+    finally:
+        lg.removeHandler(handler)
+    assert quieted == ["Llama3RotaryEmbedding: Failed to load weights"]
+    assert seen == [
+        "QKVParallelLinear: Failed to load weights",
+        "boom",
+        "RotaryEmbedding: Failed to load weights",
+    ]

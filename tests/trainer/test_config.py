@@ -290,6 +290,13 @@ BAD = [
     ("trainer.device", "tpu", ["trainer.device='tpu' is not one of ['auto', 'cpu', 'cuda']"]),
     ("trainer.device", "cuda", ["trainer.device='cuda' but no CUDA device is visible"]),
     ("trainer.progress_bar", "maybe", ["trainer.progress_bar", "maybe"]),
+    ("trainer.reuse_update_forward", "maybe", ["trainer.reuse_update_forward", "maybe"]),
+    ("trainer.compile", "maybe", ["trainer.compile", "maybe"]),
+    (
+        "trainer.compile_backend",
+        "tvm",
+        ["trainer.compile_backend='tvm' is not one of ['inductor', 'aot_eager', 'eager']"],
+    ),
     ("trainer.mode", "overlap", ["trainer.mode='overlap' is not one of ['sync', 'async']"]),
     (
         "logger.backend",

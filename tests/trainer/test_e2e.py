@@ -347,6 +347,7 @@ def test_mismatch_samples_scores_a_subset_and_the_real_push_passes(tiny, tmp_pat
         "rollout.mismatch_samples=2",
         "rollout.weight_sync_kl_threshold=1e-4",
         "trainer.eval_at_start=false",
+        "trainer.reuse_update_forward=false",  # the separate pass (else the update's forward scores)
     )
     assert scored == [2, 2]  # one probe per step, 2 of the 8 samples
     for m in hist:
@@ -606,3 +607,22 @@ def test_a_bf16_engine_beside_an_fp32_learner_holds_every_push_rounded_to_bf16(t
         assert torch.equal(theirs[k], v.to(torch.bfloat16)), k  # the last push, rounded once
     for m in hist:
         assert 1e-4 < m["mismatch/logprob_abs_diff"] and abs(m["mismatch/kl"]) < 0.15
+
+
+def test_the_updates_forward_replaces_the_scoring_pass_with_the_same_metrics(tiny, tmp_path):
+    """On-policy GRPO with rollout IS (sequence level) and zero-std masking: the step's metrics with the
+    log-probs taken from the update's forward equal the separate pass's, and phase 3 took no time."""
+    keys = ("mismatch/", "rollout_is/", "rollout/entropy", "rollout_kl", "loss/", "grad_norm", "entropy")
+    runs = {}
+    for reuse in (True, False):
+        (m,) = train(
+            tiny, tmp_path / str(reuse), "trainer.steps=1", "algo.rollout_is.enabled=true",
+            "algo.rollout_is.level=sequence", "algo.mask_zero_std_groups=true", "trainer.eval_at_start=false",
+            f"trainer.reuse_update_forward={str(reuse).lower()}",
+        )  # fmt: skip
+        runs[reuse] = m
+    assert runs[True]["timing/logprobs_s"] == 0.0 < runs[False]["timing/logprobs_s"]
+    compared = [k for k in runs[False] if k.startswith(keys)]
+    assert "rollout_is/eff_sample_size" in compared and "mismatch/kl" in compared
+    for k in compared:
+        assert runs[True][k] == pytest.approx(runs[False][k], rel=1e-4, abs=1e-6), k

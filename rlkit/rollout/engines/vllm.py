@@ -36,6 +36,7 @@ from rlkit.batch import RolloutBatch
 from rlkit.collectives import free_port
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
+from rlkit.rollout.engines.vllm_logs import quiet_push_logs
 from rlkit.weights import (
     PushGuard,
     check_manifest,
@@ -415,9 +416,14 @@ class VLLMEngine:
                 self.llm.collective_rpc(_close_failed_reload)
                 raise
 
-        count = self._push_guard.run(copy, named_tensors, self.manifest)
-        self._weights_lost = False
-        self.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        with quiet_push_logs() as quieted:  # vLLM's per-push lines: one rlkit debug line below
+            count = self._push_guard.run(copy, named_tensors, self.manifest)
+            self._weights_lost = False
+            self.llm.reset_prefix_cache()
+        log.debug(
+            "vLLM push: %d tensors in %.3f s (%s)", count, time.perf_counter() - start, "; ".join(quieted)
+        )
         return count
 
     def sleep(self) -> None:
