@@ -45,7 +45,9 @@ def main() -> None:
         name, _, config = spec.partition("=")
         tasks = {name: json.loads(config) if config else {}}
         with tempfile.TemporaryDirectory() as d:
-            path = reasoning_gym.generate(Path(d) / "rg", tasks, num_train=1, num_eval=args.prompts)
+            path = reasoning_gym.generate(
+                Path(d) / "rg", tasks, num_train=4 * args.prompts, num_eval=args.prompts
+            )
             rows = [json.loads(line) for line in open(path / "test.jsonl")]
         prompts = [render_prompt(r["question"], tok, cfg) for r in rows]
         rb = engine.generate([ids for _, ids in prompts], args.samples, sampling)

@@ -18,9 +18,7 @@ from rlkit.train import compose, load_config
 
 rg = pytest.importorskip("reasoning_gym")
 
-TASKS = (
-    "data.tasks=[{chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}},{leg_counting: {max_animals: 2}}]"
-)
+TASKS = "data.tasks=[{chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}},{leg_counting: {min_animals: 1, max_animals: 2}}]"
 
 
 def overrides(tiny, run_dir, *extra):
