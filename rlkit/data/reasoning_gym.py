@@ -214,6 +214,14 @@ def score(response: str, task: str, entry: str, task_config: str) -> float:
     return float(_scorer(task, task_config)(extract_answer(response), json.loads(entry)))
 
 
+def has_answer(response: str) -> bool:
+    """Whether reasoning-gym's `extract_answer` finds an answer (<answer>...</answer>) in `response`."""
+    _library()
+    from reasoning_gym.utils import extract_answer
+
+    return extract_answer(response) is not None
+
+
 def plain(tasks):
     """`data.tasks` as plain Python containers (from an OmegaConf node)."""
     return OmegaConf.to_container(tasks, resolve=True) if OmegaConf.is_config(tasks) else tasks

@@ -130,11 +130,18 @@ def reasoning_gym_reward(
     return reasoning_gym.score(response, task, entry, task_config)
 
 
+def answer_tags_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when reasoning-gym's `extract_answer` finds an answer in <answer></answer> tags, else 0.0: a format
+    term (`reward.extra={answer_tags: 0.2}`) for a model that does not use the tags on its own yet."""
+    return 1.0 if reasoning_gym.has_answer(response) else 0.0
+
+
 REGISTRY: dict[str, Callable[[str, str, str], float]] = {
     "math": math_reward,
     "format": format_reward,
     "none": no_reward,
     "reasoning_gym": reasoning_gym_reward,
+    "answer_tags": answer_tags_reward,
 }
 
 

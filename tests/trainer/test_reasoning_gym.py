@@ -89,18 +89,22 @@ def test_step_rewards_are_reasoning_gyms_scores_and_per_task_metrics(tiny, tmp_p
     finally:
         trainer.close()
     (batch,) = batches
-    expected, tasks = [], []
+    expected, tasks, totals = [], [], []
     for row, text in seen:
         entry = json.loads(row["entry"])
         assert entry["question"] == row["question"] and entry["metadata"]["source_dataset"] == row["task"]
         score_answer = rg.create_dataset(row["task"], **json.loads(row["task_config"])).score_answer
         expected.append(score_answer(extract_answer(text), entry))
         tasks.append(row["task"])
-    assert batch.rewards.tolist() == pytest.approx(expected)
+        # the recipe's format term: reward.extra={answer_tags: 0.2}
+        totals.append(expected[-1] + 0.2 * (extract_answer(text) is not None))
+    assert batch.per_fn["reasoning_gym"].tolist() == pytest.approx(expected)
+    assert batch.rewards.tolist() == pytest.approx(totals)
     assert set(expected) > {0.0, 1.0}  # partial credit too (leg_counting: "12" in "12.50" scores 2/5)
     for task in set(tasks):
         mine = [e for e, t in zip(expected, tasks) if t == task]
-        assert metrics[f"reward/{task}"] == pytest.approx(sum(mine) / len(mine))
+        total = [e for e, t in zip(totals, tasks) if t == task]
+        assert metrics[f"reward/{task}"] == pytest.approx(sum(total) / len(total))
         assert metrics[f"accuracy/{task}"] == pytest.approx(sum(e == 1.0 for e in mine) / len(mine))
         assert metrics[f"task_samples/{task}"] == len(mine)
     assert metrics["accuracy"] == pytest.approx(sum(e == 1.0 for e in expected) / len(expected))
@@ -179,3 +183,12 @@ def test_missing_library_names_the_extra(monkeypatch):
         load_config(compose(["+recipe=reasoning_gym", "data.tasks=[chain_sum]"]))
     with pytest.raises(ImportError, match=r'pip install "rlkit\[reasoning-gym\]"'):
         rg_data.score("<answer>1</answer>", "chain_sum", '{"answer": "1"}', "{}")
+
+
+def test_answer_tags_format_reward():
+    from rlkit.rewards.functions import call_reward
+
+    row = {"question": "q", "answer": "7"}
+    texts = ["so <answer>7</answer>", "<answer></answer>", "7", "<answer>7"]
+    # reasoning-gym's extract_answer: the tags found (even empty) -> 1; no closing tag or none -> 0
+    assert [call_reward("answer_tags", [("p", t, "7", row)])[0][0] for t in texts] == [1.0, 1.0, 0.0, 0.0]
