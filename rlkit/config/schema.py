@@ -265,7 +265,7 @@ class AlgoConfig:
 @dataclass
 class RewardConfig:
     fn: str = "math"
-    """Main reward: a registered name (`math`, `format`) or an import path `module:fn` / `module.fn`
+    """Main reward: a registered name (`math`, `format`, `reasoning_gym`, `answer_tags`) or an import path `module:fn` / `module.fn`
     called as fn(prompt, response, answer, **columns) -> float (see the reward guide in the docs)."""
     correct_threshold: float = 1.0
     """A sample is correct (accuracy, eval/pass@k, filter_metric=accuracy) when its main reward is at least

@@ -13,7 +13,7 @@ a model or a service with its own concurrency. `reward.route_by: data_source` pi
 of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
 
 Built-ins are registered by name (`math`, `format`, `none`: 0 for everything, `reasoning_gym`: the task's
-own scorer, rlkit/data/reasoning_gym.py); any other function is addressed by import path
+own scorer, rlkit/data/reasoning_gym.py; `answer_tags`: 1 for an answer in <answer></answer> tags); any other function is addressed by import path
 (`my_module:my_fn` or `my_module.my_fn`). What counts as *correct* (accuracy, pass@k, the refill filter)
 is the main reward function's verdict: a reward >= `reward.correct_threshold` unless the function declares
 its own with `@correct_when`.
