@@ -192,3 +192,40 @@ def test_answer_tags_format_reward():
     texts = ["so <answer>7</answer>", "<answer></answer>", "7", "<answer>7"]
     # reasoning-gym's extract_answer: the tags found (even empty) -> 1; no closing tag or none -> 0
     assert [call_reward("answer_tags", [("p", t, "7", row)])[0][0] for t in texts] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_refill_counts_kept_groups_per_task(tiny, tmp_path):
+    """Dynamic sampling's per-task share of kept groups: every chain_sum group gets one right answer among
+    wrong ones (spread: kept), every leg_counting group the same wrong answer (no spread: dropped)."""
+    from rlkit.trainer import Trainer
+
+    cfg = load_config(
+        compose(overrides(tiny, tmp_path / "k", "algo.dynamic_sampling=refill", "algo.max_gen_batches=1"))
+    )
+    trainer = Trainer(cfg)
+    try:
+        prompts = trainer.rollouts.train_prompts
+        real_generate = trainer.rollouts.producer.generate
+        drawn = []
+
+        def chosen(token_ids, n, sampling, seed, **kw):
+            rb = real_generate(token_ids, n, sampling, seed, **kw)
+            rows = [prompts.rows[prompts.token_ids.index(ids)] for ids in token_ids]
+            drawn.extend(r["task"] for r in rows)
+            texts = [
+                f"<answer>{r['answer']}</answer>"
+                if r["task"] == "chain_sum" and j == 0
+                else "<answer>-999</answer>"
+                for r in rows
+                for j in range(n)
+            ]
+            return dataclasses.replace(rb, response_texts=tuple(texts))
+
+        trainer.rollouts.producer.generate = chosen
+        metrics = trainer.train_step()
+    finally:
+        trainer.close()
+    assert {"chain_sum", "leg_counting"} <= set(drawn)  # 4 prompts of 2 tasks (seed 0 draws both)
+    assert metrics["dynamic/kept_frac/chain_sum"] == 1.0
+    assert metrics["dynamic/kept_frac/leg_counting"] == 0.0
+    assert metrics["dynamic/kept_frac"] == pytest.approx(drawn.count("chain_sum") / len(drawn))
