@@ -216,3 +216,6 @@ class ScoredBatch:
     """Environment steps that raised or hung on this rank (their episodes score 0)."""
     env_timeouts: int = 0
     """Of those, the ones that timed out."""
+    tasks: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    """[N] float32 1/0 per task name: which samples come from that task, when the data has a `task` column
+    (reasoning-gym); logged as reward/<task>, accuracy/<task>, task_samples/<task>."""

@@ -17,7 +17,7 @@ from torch import Tensor
 from rlkit.batch import ScoredBatch
 from rlkit.collectives import all_gather_cat
 
-__all__ = ["MetricMerger", "reduction", "step_statistics", "to_host"]
+__all__ = ["MetricMerger", "per_task", "reduction", "step_statistics", "to_host", "without_absent_tasks"]
 
 _MAX_SUFFIXES = ("/max", "_max")
 _MIN_SUFFIXES = ("/min", "_min")
@@ -165,6 +165,7 @@ def step_statistics(
         "clipped": torch.tensor([f == "length" for f in rb.finish_reasons], dtype=torch.float32),
         **{f"per_fn/{k}": v for k, v in produced.per_fn.items()},
         **{f"env/{k}": v for k, v in produced.env_stats.items()},
+        **{f"task/{k}": v for k, v in produced.tasks.items()},
     }
     counters = {
         "reward/errors": produced.errors, "reward/timeouts": produced.timeouts,
@@ -206,10 +207,35 @@ def step_statistics(
     for name in produced.env_stats:  # env/turns, env/tool_calls: means per episode
         stats[f"env/{name}"] = col[f"env/{name}"].mean()
     stats["env/errors"], stats["env/timeouts"] = count["env/errors"], count["env/timeouts"]
+    stats.update(per_task(col["reward"], col["correct"], {k: col[f"task/{k}"] for k in produced.tasks}))
     stats["staleness/mean"] = stats["staleness/max"] = float(staleness)
     stats["staleness/dropped"] = 0.0
     stats.update(produced.stats)
     return stats
+
+
+def per_task(rewards: Tensor, correct: Tensor, tasks: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`reward/<task>`, `accuracy/<task>` (means over the task's samples) and `task_samples/<task>` (how many),
+    from [N] rewards, correct flags and 1/0 task masks; a task without samples gets means of 0, which
+    `without_absent_tasks` removes once the values are on the host."""
+    out = {}
+    for name, m in tasks.items():
+        n = m.sum()
+        out[f"reward/{name}"] = (rewards * m).sum() / n.clamp(min=1)
+        out[f"accuracy/{name}"] = (correct * m).sum() / n.clamp(min=1)
+        out[f"task_samples/{name}"] = n
+    return out
+
+
+def without_absent_tasks(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` without the `reward/<task>` / `accuracy/<task>` of tasks that had no sample this step."""
+    absent = [
+        k.removeprefix("task_samples/")
+        for k, v in metrics.items()
+        if k.startswith("task_samples/") and v == 0
+    ]
+    drop = {f"{kind}/{task}" for task in absent for kind in ("reward", "accuracy")}
+    return {k: v for k, v in metrics.items() if k not in drop}
 
 
 def to_host(stats: dict) -> dict[str, float]:

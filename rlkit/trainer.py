@@ -49,7 +49,7 @@ from rlkit.learner.learner import LogProbs
 from rlkit.learner.reuse import ForwardScores, has_dropout, reusable
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
-from rlkit.metrics import MetricMerger, step_statistics, to_host
+from rlkit.metrics import MetricMerger, step_statistics, to_host, without_absent_tasks
 from rlkit.models import load_tokenizer
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
@@ -273,7 +273,7 @@ class Trainer:
                 stats["distill/adv_abs"], stats["distill/task_adv_abs"]
             )
         stats.update(update_metrics)
-        metrics = to_host(stats)
+        metrics = without_absent_tasks(to_host(stats))
         tokens = metrics.pop("gen_tokens")
         seq, seq_sq = metrics.pop("gen_seq_tokens"), metrics.pop("gen_seq_tokens_sq")
         metrics.update(timers.seconds)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from rlkit.config.schema import ConfigError, DataConfig
+from rlkit.data import reasoning_gym
 from rlkit.data.arithmetic import check_kinds, distinct_problems, generate_arithmetic
 from rlkit.data.prompts import TEMPLATES
 from rlkit.envs import environment_rows
@@ -179,6 +180,14 @@ def _load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
                 kinds=tuple(cfg.arithmetic_kinds),
             )
         )
+    elif path == reasoning_gym.REASONING_GYM:
+        tasks = reasoning_gym.plain(cfg.tasks)
+        name = reasoning_gym.cache_name(tasks, cfg.num_train, cfg.num_eval)
+        path = str(
+            reasoning_gym.generate(
+                cache_dir() / "data" / name, tasks, num_train=cfg.num_train, num_eval=cfg.num_eval
+            )
+        )
     local = Path(path).expanduser()
     where: dict[str, list[str]] = {}  # split -> where each row is, for local JSON files
     if local.exists():
@@ -251,6 +260,17 @@ def check_config(cfg) -> None:
             raise ConfigError(f"data.{key}={value!r} must be a non-empty string")
     if d.prompt_key == d.answer_key:
         raise ConfigError(f"data.prompt_key and data.answer_key are both {d.prompt_key!r}: use two columns")
+    if d.path == reasoning_gym.REASONING_GYM:
+        reasoning_gym.check_tasks(reasoning_gym.plain(d.tasks))
+    elif d.tasks:
+        raise ConfigError(
+            f"data.tasks is set but data.path={d.path!r}: data.tasks are reasoning-gym tasks, read only with "
+            f"data.path={reasoning_gym.REASONING_GYM} (+recipe=reasoning_gym)"
+        )
+    if d.system_prompt and d.system_prompt.startswith(reasoning_gym.SYSTEM_PROMPT_PREFIX):
+        reasoning_gym.system_prompt(d.system_prompt.removeprefix(reasoning_gym.SYSTEM_PROMPT_PREFIX))
+    if d.path == reasoning_gym.REASONING_GYM:
+        return
     if d.path == ARITHMETIC:
         size = distinct_problems(d.arithmetic_kinds)
         if d.num_train + d.num_eval > size:

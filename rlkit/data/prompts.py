@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlkit.config.schema import DataConfig
+from rlkit.data import reasoning_gym
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,10 @@ class PromptSet:
 def prompt_messages(question: str, cfg: DataConfig) -> list[dict]:
     """The chat messages of one question: the optional system prompt, then the question + instruction."""
     user = f"{question}\n{cfg.instruction}" if cfg.instruction else question
-    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    text = cfg.system_prompt
+    if text and text.startswith(reasoning_gym.SYSTEM_PROMPT_PREFIX):
+        text = reasoning_gym.system_prompt(text.removeprefix(reasoning_gym.SYSTEM_PROMPT_PREFIX))
+    system = [{"role": "system", "content": text}] if text else []
     return [*system, {"role": "user", "content": user}]
 
 

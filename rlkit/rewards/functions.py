@@ -12,7 +12,8 @@ route) with lists instead: `fn(prompts, responses, answers, **columns_as_lists) 
 a model or a service with its own concurrency. `reward.route_by: data_source` picks the main reward
 of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
 
-Built-ins are registered by name (`math`, `format`, `none`: 0 for everything); any other function is addressed by import path
+Built-ins are registered by name (`math`, `format`, `none`: 0 for everything, `reasoning_gym`: the task's
+own scorer, rlkit/data/reasoning_gym.py; `answer_tags`: 1 for an answer in <answer></answer> tags); any other function is addressed by import path
 (`my_module:my_fn` or `my_module.my_fn`). What counts as *correct* (accuracy, pass@k, the refill filter)
 is the main reward function's verdict: a reward >= `reward.correct_threshold` unless the function declares
 its own with `@correct_when`.
@@ -31,6 +32,7 @@ import reprlib
 from collections.abc import Callable
 
 from rlkit.config.schema import ConfigError
+from rlkit.data import reasoning_gym
 from rlkit.lookup import lookup
 
 log = logging.getLogger(__name__)
@@ -100,29 +102,6 @@ def no_reward(prompt: str, response: str, answer: str) -> float:
     return 0.0
 
 
-REGISTRY: dict[str, Callable[[str, str, str], float]] = {
-    "math": math_reward,
-    "format": format_reward,
-    "none": no_reward,
-}
-
-
-@functools.cache
-def resolve(spec: str) -> Callable[[str, str, str], float]:
-    """A reward function from a registered name or an import path `module:fn` / `module.fn`."""
-    return lookup(spec, REGISTRY, key="reward.fn")
-
-
-def batched(fn: Callable) -> Callable:
-    """Mark a reward function as batched: called once per batch with lists, returns one float per sample."""
-    fn.rlkit_batched = True
-    return fn
-
-
-def is_batched(spec: str) -> bool:
-    return bool(getattr(resolve(spec), "rlkit_batched", False))
-
-
 def correct_when(verdict: Callable[[float], bool]) -> Callable:
     """Declare what counts as correct for a reward function: `verdict(reward) -> bool`.
 
@@ -140,6 +119,47 @@ def correct_when(verdict: Callable[[float], bool]) -> Callable:
         return fn
 
     return mark
+
+
+@correct_when(lambda r: r >= 1.0)
+def reasoning_gym_reward(
+    prompt: str, response: str, answer: str, task: str, entry: str, task_config: str
+) -> float:
+    """reasoning-gym's own score of the response (`data.path=reasoning_gym`): the row's task's `score_answer`
+    on reasoning-gym's `extract_answer` (the last <answer>...</answer>), partial credit included; correct
+    is a score of 1. The row's `task`, `entry` and `task_config` columns say what to score against."""
+    return reasoning_gym.score(response, task, entry, task_config)
+
+
+def answer_tags_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when reasoning-gym's `extract_answer` finds an answer in <answer></answer> tags, else 0.0: a format
+    term (`reward.extra={answer_tags: 0.2}`) for a model that does not use the tags on its own yet."""
+    return 1.0 if reasoning_gym.has_answer(response) else 0.0
+
+
+REGISTRY: dict[str, Callable[[str, str, str], float]] = {
+    "math": math_reward,
+    "format": format_reward,
+    "none": no_reward,
+    "reasoning_gym": reasoning_gym_reward,
+    "answer_tags": answer_tags_reward,
+}
+
+
+@functools.cache
+def resolve(spec: str) -> Callable[[str, str, str], float]:
+    """A reward function from a registered name or an import path `module:fn` / `module.fn`."""
+    return lookup(spec, REGISTRY, key="reward.fn")
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark a reward function as batched: called once per batch with lists, returns one float per sample."""
+    fn.rlkit_batched = True
+    return fn
+
+
+def is_batched(spec: str) -> bool:
+    return bool(getattr(resolve(spec), "rlkit_batched", False))
 
 
 def is_correct(spec: str, value: float, threshold: float) -> bool:

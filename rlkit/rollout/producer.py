@@ -46,6 +46,18 @@ def sampling_seed(seed: int, step: int, rank: int, salt: int = 0) -> int:
     return (((seed * 1_000_003 + step) * 10_007 + rank) * 31 + salt) % (2**31 - 1)
 
 
+def task_names(rows: list[dict]) -> list[str]:
+    """The sorted values of the rows' `task` column ([] unless every row has one)."""
+    if not rows or any("task" not in r for r in rows):
+        return []
+    return sorted({str(r["task"]) for r in rows})
+
+
+def task_masks(rows: list[dict], names: list[str]) -> dict[str, Tensor]:
+    """[N] float32 1/0 per task name: the samples (rows) of that task."""
+    return {t: torch.tensor([float(str(r["task"]) == t) for r in rows]) for t in names}
+
+
 def informative_groups(metric: Tensor, group_size: int) -> Tensor:
     """[N / G] bool: the groups whose `metric` is not the same for all their samples."""
 
@@ -84,6 +96,8 @@ class Producer:
         self.reward_model = reward_model
         self.group_size = cfg.rollout.group_size
         self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
+        # The tasks of a dataset with a `task` column (per-task metrics): the same list on every rank.
+        self.task_names = task_names(prompts.rows)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -217,6 +231,7 @@ class Producer:
             "env_stats": eb.stats,
             "env_errors": eb.errors,
             "env_timeouts": eb.timeouts,
+            "tasks": task_masks(rows, self.task_names),
         }
 
     # -- a step's scored batch -------------------------------------------------------------------
@@ -249,7 +264,20 @@ class Producer:
         with timers("filter"):
             scored = self._assemble(pieces, select_groups(keep, needed))
         stats = {"dynamic/gen_batches": float(len(keep)), "dynamic/kept_frac": kept / max(generated, 1)}
+        stats.update(self._kept_per_task(pieces, keep))
         return dataclasses.replace(scored, stats=stats, policy_version=step)
+
+    def _kept_per_task(self, pieces: list[dict], keep: list[Tensor]) -> dict[str, float]:
+        """`dynamic/kept_frac/<task>`: the share of each task's generated groups that had signal."""
+        if not self.task_names:
+            return {}
+        G, K = self.group_size, len(self.task_names)
+        # [groups, K]: each group's task (its first sample's), over all ranks in global group order
+        first = [torch.stack([p["tasks"][t][::G] for t in self.task_names], 1) for p in pieces]
+        of_task = torch.cat([self._gather(f.flatten()).reshape(-1, K) for f in first])
+        kept = torch.cat(keep).float()[:, None]
+        generated, kept = of_task.sum(0).tolist(), (of_task * kept).sum(0).tolist()
+        return {f"dynamic/kept_frac/{t}": k / g for t, k, g in zip(self.task_names, kept, generated) if g > 0}
 
     def _group(self, piece: dict, local: int) -> dict:
         """Group `local` of one generation batch of this rank: its samples and their scores."""
@@ -260,6 +288,7 @@ class Producer:
             "correct": piece["correct"][rows],
             "per_fn": {k: v[rows] for k, v in piece["per_fn"].items()},
             "env_stats": {k: v[rows] for k, v in piece["env_stats"].items()},
+            "tasks": {k: v[rows] for k, v in piece["tasks"].items()},
         }
 
     def _exchange(self, pieces: list[dict], chosen: list[tuple[int, int]]) -> list[dict]:
@@ -303,6 +332,7 @@ class Producer:
             env_stats={k: torch.cat([x["env_stats"][k] for x in groups]) for k in groups[0]["env_stats"]},
             env_errors=sum(p["env_errors"] for p in pieces),
             env_timeouts=sum(p["env_timeouts"] for p in pieces),
+            tasks={k: torch.cat([x["tasks"][k] for x in groups]) for k in groups[0]["tasks"]},
         )
 
     def _gather(self, x: Tensor) -> Tensor:

@@ -73,6 +73,7 @@ def merge_scored(parts: list[ScoredBatch]) -> ScoredBatch:
         errors=sum(p.errors for p in parts),
         timeouts=sum(p.timeouts for p in parts),
         env_stats={k: torch.cat([p.env_stats[k] for p in parts]) for k in first.env_stats},
+        tasks={k: torch.cat([p.tasks[k] for p in parts]) for k in first.tasks},
         env_errors=sum(p.env_errors for p in parts),
         env_timeouts=sum(p.env_timeouts for p in parts),
     )
@@ -102,6 +103,7 @@ def split_scored(sb: ScoredBatch, n: int) -> list[ScoredBatch]:
                 correct=sb.correct[rows],
                 per_fn={k: v[rows] for k, v in sb.per_fn.items()},
                 env_stats={k: v[rows] for k, v in sb.env_stats.items()},
+                tasks={k: v[rows] for k, v in sb.tasks.items()},
                 **({} if r == 0 else dict(errors=0, timeouts=0, env_errors=0, env_timeouts=0)),
             )
         )

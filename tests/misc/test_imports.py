@@ -39,6 +39,9 @@ HEAVY = {
     "datasets",
     "math_verify",
     "sympy",
+    "reasoning_gym",  # optional extras, imported only when used
+    "verifiers",
+    "openenv",
 }
 
 

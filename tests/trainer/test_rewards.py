@@ -45,7 +45,10 @@ def test_resolve_names_and_paths():
     assert resolve("rlkit.rewards:format_reward") is format_reward
     assert resolve("rlkit.rewards.format_reward") is format_reward
     assert resolve("none")("q", "any response", "7") == 0.0  # no task reward (pure distillation)
-    with pytest.raises(ValueError, match=r"reward.fn='nope' is not one of \['math', 'format', 'none'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward.fn='nope' is not one of \['math', 'format', 'none', 'reasoning_gym', 'answer_tags'\]",
+    ):
         resolve("nope")
     with pytest.raises(ValueError, match="cannot import"):
         RewardScorer("rlkit.rewards:missing")
