@@ -144,6 +144,12 @@ def test_rollout_is_without_logprobs_turns_them_on(caplog):
 # words its ConfigError must contain (the user's key, and the value / choices / bound where relevant).
 # A value of None means YAML null. Numbers outside their range are checked by `test_every_range`.
 BAD = [
+    (
+        "data.tasks",
+        ["chain_sums"],
+        ["data.tasks: 'chain_sums' is not a reasoning-gym task"],
+        {"data": {"path": "reasoning_gym"}, "reward": {"fn": "reasoning_gym"}},
+    ),
     ("env.name", "nope", ["env.name='nope'"]),
     ("env.name", "os:getcwd", ["env.name='os:getcwd' is posix.getcwd, not an environment class"]),
     ("env.name", "__main__:Guess", ["env.name='__main__:Guess'", "move the class to a module"]),
