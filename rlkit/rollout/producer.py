@@ -223,7 +223,8 @@ class Producer:
         a = self.cfg.algo
         if a.dynamic_sampling == "off":
             piece = self._generate_and_score(step, 0, timers)
-            return ScoredBatch(**piece, stats={}, policy_version=step)
+            # The oldest version that sampled a token (the engine's, `step` in sync mode).
+            return ScoredBatch(**piece, stats={}, policy_version=piece["rollout"].oldest_version(step))
 
         G, ppr = self.group_size, self.prompts_per_rank
         needed = ppr * self.world
@@ -247,7 +248,7 @@ class Producer:
         with timers("filter"):
             scored = self._assemble(pieces, select_groups(keep, needed))
         stats = {"dynamic/gen_batches": float(len(keep)), "dynamic/kept_frac": kept / max(generated, 1)}
-        return dataclasses.replace(scored, stats=stats, policy_version=step)
+        return dataclasses.replace(scored, stats=stats, policy_version=scored.rollout.oldest_version(step))
 
     def _group(self, piece: dict, local: int) -> dict:
         """Group `local` of one generation batch of this rank: its samples and their scores."""
