@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 FINISH_REASONS = ("stop", "length")
+NO_VERSION = -1
+"""`token_versions` at padding and at environment (observation) tokens: no policy sampled them."""
 # RolloutBatch.stats that add up when batches are stacked: generated tokens, seconds, and the sums of the
 # finished sequences' lengths and squared lengths (prompt + response: what generation's FLOPs need).
 SUMMED_STATS = ("gen_tokens", "gen_seconds", "gen_seq_tokens", "gen_seq_tokens_sq")
@@ -129,15 +131,21 @@ class RolloutBatch:
     """Decoded responses (special tokens skipped), for the reward functions."""
     stats: dict[str, float] = field(default_factory=dict)
     """Engine statistics, e.g. `gen_tokens`, `gen_seconds`, `gen_tokens_per_s`."""
+    token_versions: Tensor | None = None
+    """[N, T] long, the policy version whose weights sampled each token (with in-flight weight updates a
+    row can hold several); NO_VERSION (-1) at padding and at environment tokens. Every engine fills it;
+    None only in a batch built by hand without it."""
 
     def __post_init__(self):
         n = self.response_ids.shape[0]
         _check_rows(self, n)
-        if (
-            self.response_mask.shape != self.response_ids.shape
-            or self.rollout_logprobs.shape != self.response_ids.shape
-        ):
-            raise ValueError("response_ids, response_mask and rollout_logprobs must share shape [N, T]")
+        shapes = [self.response_mask.shape, self.rollout_logprobs.shape]
+        if self.token_versions is not None:
+            shapes.append(self.token_versions.shape)
+        if any(s != self.response_ids.shape for s in shapes):
+            raise ValueError(
+                "response_ids, response_mask, rollout_logprobs and token_versions must share shape [N, T]"
+            )
         if len(self.finish_reasons) != n:
             raise ValueError(f"finish_reasons has {len(self.finish_reasons)} entries, expected {n}")
         if self.group_size < 1 or n % self.group_size:
@@ -151,6 +159,13 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:
         """[N] long, generated tokens per sample."""
         return self.response_mask.sum(-1)
+
+    def oldest_version(self, default: int) -> int:
+        """The oldest policy version that sampled a token of this batch (`default` when no token says)."""
+        if self.token_versions is None:
+            return default
+        labelled = self.token_versions[self.token_versions != NO_VERSION]
+        return int(labelled.min()) if labelled.numel() else default
 
 
 @dataclass(frozen=True)
@@ -186,6 +201,8 @@ class TrainBatch(_RowOps):
     """[N, T] value-model predictions at rollout time (PPO value clipping)."""
     returns: Tensor | None = None
     """[N, T] value targets (PPO)."""
+    token_versions: Tensor | None = None
+    """[N, T] long, the policy version that sampled each token (RolloutBatch.token_versions)."""
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])
@@ -209,7 +226,8 @@ class ScoredBatch:
     stats: dict[str, float]
     """`dynamic/gen_batches`, `dynamic/kept_frac` (global, refill mode only)."""
     policy_version: int
-    """The trainer step whose weights generated these samples."""
+    """The oldest policy version that sampled a token of these samples (`RolloutBatch.oldest_version`): the
+    trainer step whose weights generated them, or began to when weights were updated in flight."""
     env_stats: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     """[N] float32 per episode: `turns`, `tool_calls` (logged as env/<name>, means per episode)."""
     env_errors: int = 0

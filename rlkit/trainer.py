@@ -38,7 +38,7 @@ import torch
 
 from rlkit import rundir
 from rlkit.algos import advantages as adv
-from rlkit.algos import correction, distill, kl
+from rlkit.algos import correction, distill, kl, staleness
 from rlkit.batch import ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
@@ -220,6 +220,7 @@ class Trainer:
             )
         with timers("correction"):
             is_weights, loss_mask = self._correction(rb, mask, loss_mask, scored, token_metrics)
+            loss_mask = self._token_staleness(rb, mask, loss_mask, token_metrics)
         with timers("update"):
             update_metrics = self._update(rb, loss_mask, advantages, returns, is_weights, scored)
         return self._finish(produced, mask, zero_std, update_metrics, token_metrics, timers, step_start)
@@ -382,6 +383,17 @@ class Trainer:
         token_metrics.add(is_metrics, mask.sum())
         return is_weights, loss_mask & kept
 
+    def _token_staleness(self, rb, mask, loss_mask, token_metrics: MetricMerger):
+        """5b. per-token staleness (policy versions between each token's sampler and this step: rlkit.algos.staleness)
+        and, with `algo.max_token_staleness`, the loss mask without the tokens older than that."""
+        if rb.token_versions is None:
+            return loss_mask
+        versions = rb.token_versions.to(self.device)
+        per_token, per_row = staleness.staleness_metrics(versions, mask, self.step)
+        token_metrics.add(per_token, mask.sum())
+        token_metrics.add(per_row, mask.shape[0])
+        return staleness.fresh_tokens(versions, loss_mask, self.step, self.cfg.algo.max_token_staleness)
+
     def _update(self, rb, loss_mask, advantages, returns, is_weights, scored: Scored) -> dict:
         """6. one `learner.update` on the TrainBatch."""
         return self.learner.update(self._train_batch(rb, loss_mask, advantages, returns, is_weights, scored))
@@ -401,6 +413,7 @@ class Trainer:
             ref_logprobs=lp.ref_logprobs.to(self.device) if self.learner.kl_coef > 0 else None,
             rollout_logprobs=rb.rollout_logprobs.to(self.device).float() if a.rollout_kl_coef > 0 else None,
             is_weights=is_weights,
+            token_versions=rb.token_versions.to(self.device) if rb.token_versions is not None else None,
             values=lp.values.to(self.device) if a.value_model else None,
             returns=returns,
         )

@@ -20,6 +20,19 @@ the split balances the two sides. It wins when a phase scales worse than linearl
 (a < 1), or when what the model leaves out dominates (colocated engine sleep/wake and memory pressure,
 long-tail generation idling the learner's devices). Measure a by timing a phase on two device counts:
 a = log(t_k / t_N) / log(N / k). Throughput is tokens per step over step time.
+
+The long tail (`--lengths`, `--step-ms`). A batch's responses decode together, one token each per engine
+step of about `tau` seconds while generation is decode-bound, so a batch generated as one piece (what rlkit
+does in every mode) takes tau * max(L) and keeps on average mean(L) / max(L) of its sequence slots busy:
+    drained generation    = tau * max(L)       slot use = mean(L) / max(L)
+A generator that never drains (the next batch's requests fill the slots the finished ones leave, as
+PipelineRL-style streaming does; not rlkit's producer) would take about tau * mean(L) per batch: the ratio
+max(L) / mean(L) bounds what overlapping batches can win on the generation phase. In-flight weight updates
+(trainer.inflight_updates) do not change rlkit's step time; they change staleness. At max_staleness=1 the
+learner pushes about l + p seconds into the next batch's generation, so a row's tokens from index
+k* = (l + p) / tau on are sampled by the new weights:
+    mean token staleness = sum_i min(L_i, k*) / sum_i L_i     (1 without in-flight updates)
+and 1 for every token when generation finishes before the push (tau * max(L) <= l + p).
 """
 
 from __future__ import annotations
@@ -44,6 +57,33 @@ def predict(
     sync = gen_s + learn_s + push_s
     asyn = max(gen_r, learn_l) + push_s
     return {"sync_s": sync, "async_s": asyn, "speedup": sync / asyn, "gen_s": gen_r, "learn_s": learn_l}
+
+
+def long_tail(lengths: list[int], step_s: float, learn_s: float, push_s: float = 0.0) -> dict[str, float]:
+    """The long-tail model of one generation batch (module docstring): `lengths` are its response lengths
+    (tokens), `step_s` the decode seconds per engine step, `learn_s` + `push_s` when the learner's push lands
+    (max_staleness=1). Returns drained / streaming generation seconds, slot use, and the mean token staleness
+    without and with in-flight updates."""
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be one or more response lengths >= 1")
+    longest, total = max(lengths), sum(lengths)
+    mean = total / len(lengths)
+    drained = step_s * longest
+    swap = (learn_s + push_s) / step_s  # token index from which the new weights sample
+    inflight = sum(min(n, swap) for n in lengths) / total if drained > learn_s + push_s else 1.0
+    return {
+        "drained_s": drained,
+        "streaming_s": step_s * mean,
+        "slot_use": mean / longest,
+        "staleness_off": 1.0,
+        "staleness_inflight": inflight,
+    }
+
+
+def tail_lengths(count: int, short: int, long: int, long_frac: float) -> list[int]:
+    """A long-tailed batch: round(count * long_frac) responses of `long` tokens, the rest of `short`."""
+    n_long = round(count * long_frac)
+    return [long] * n_long + [short] * (count - n_long)
 
 
 def phases_from_run(run_dir: str | Path, skip: int = 1) -> dict[str, float]:
@@ -80,7 +120,19 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-scaling", type=float, default=1.0, help="a_gen (1 = linear)")
     ap.add_argument("--learn-scaling", type=float, default=1.0, help="a_learn (1 = linear)")
     ap.add_argument("--check", help="a measured async run directory to compare the prediction with")
+    ap.add_argument(
+        "--lengths",
+        help="the long tail: response lengths of one batch, comma-separated, or "
+        "COUNT:SHORT:LONG:FRACTION (FRACTION of COUNT responses run to LONG tokens, the rest SHORT)",
+    )
+    ap.add_argument("--step-ms", type=float, help="the long tail: decode milliseconds per engine step")
     args = ap.parse_args(argv)
+    if args.lengths:
+        if args.step_ms is None:
+            ap.error("--lengths needs --step-ms (decode milliseconds per engine step)")
+        print_long_tail(args)
+        if not (args.run or args.gen_tokens_per_s):
+            return
 
     if args.run:
         ph = phases_from_run(args.run)
@@ -111,6 +163,23 @@ def main(argv=None) -> None:
             f"check: async run {args.check} measured {measured['step_s']:.2f} s/step over {measured['steps']} "
             f"steps; predicted {p['async_s']:.2f} (ratio measured/predicted {measured['step_s'] / p['async_s']:.2f})"
         )
+
+
+def print_long_tail(args) -> None:
+    if args.lengths.count(":") == 3:
+        count, short, long, frac = args.lengths.split(":")
+        lengths = tail_lengths(int(count), int(short), int(long), float(frac))
+    else:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    learn_s = phases_from_run(args.run)["learn_s"] if args.run else 0.0
+    t = long_tail(lengths, args.step_ms / 1000, learn_s, args.push_s)
+    print(
+        f"long tail ({len(lengths)} responses, mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)} tokens): "
+        f"drained generation {t['drained_s']:.2f} s (slot use {t['slot_use']:.0%}); a generator that never drains "
+        f"{t['streaming_s']:.2f} s ({t['drained_s'] / t['streaming_s']:.2f}x, not rlkit's producer); mean token "
+        f"staleness at max_staleness=1: {t['staleness_off']:.2f} without in-flight updates, "
+        f"{t['staleness_inflight']:.2f} with them"
+    )
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
     "algo.ppo_epochs": _ge(1),
     "algo.mini_batches": _ge(1),
     "algo.rollout_kl_coef": _ge(0),
+    "algo.max_token_staleness": _ge(0),
     "algo.max_gen_batches": _ge(1),
     "algo.distill_coef": _ge(0),
     "algo.distill_gamma": UNIT,

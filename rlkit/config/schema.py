@@ -208,6 +208,8 @@ class AlgoConfig:
     """Upper clip range of the ratio (1 + clip_high)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 for negative advantages (null = off)."""
+    max_token_staleness: Optional[int] = None
+    """Tokens sampled more than this many policy versions before the step that trains them leave the loss (null = keep all; async, mostly with trainer.inflight_updates)."""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
     norm_len: Optional[int] = None
@@ -397,6 +399,8 @@ class TrainerConfig:
     log_samples: int = 0
     """Samples written to <run_dir>/samples.jsonl and a W&B table per training step and per evaluation (prompt,
     response, reward and its parts, correct, finish reason, length, step; the first rows of rank 0); 0 = none."""
+    inflight_updates: str = "off"
+    """async + vLLM: a worker takes new weights between two engine steps, mid-batch (partial rollouts). "off": only between batches; "recompute": running requests recompute their KV under the new weights; "keep_kv": they keep the old weights' KV (later requests get a fresh cache salt). Needs algo.rollout_is.enabled. See docs/concepts/async.md."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlkit.batch import RolloutBatch, generation_stats
+from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
 from rlkit.envs import SingleTurn, resolve_env
 from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs
@@ -47,6 +47,8 @@ class Episode:
     """Global episode index (seeds of later turns under rollout.seed_per_prompt)."""
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each token (NO_VERSION at observation tokens)."""
     model: list[bool] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     turns: int = 0
@@ -212,11 +214,17 @@ def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[E
             continue
         toks = rb.response_ids[k, : lengths[k]].tolist()
         lps = rb.rollout_logprobs[k, : lengths[k]].tolist()
+        vers = (
+            rb.token_versions[k, : lengths[k]].tolist()
+            if rb.token_versions is not None
+            else [NO_VERSION] * lengths[k]
+        )
         finish, limit = rb.finish_reasons[k], room(e)
         if len(toks) > limit:  # the shared call's cap is the largest room; this episode has less
-            toks, lps, finish = toks[:limit], lps[:limit], "length"
+            toks, lps, vers, finish = toks[:limit], lps[:limit], vers[:limit], "length"
         e.ids += toks
         e.logprobs += lps
+        e.versions += vers
         e.model += [True] * len(toks)
         text = (
             rb.response_texts[k]
@@ -264,6 +272,7 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> No
         return
     e.ids += extra
     e.logprobs += [0.0] * len(extra)
+    e.versions += [NO_VERSION] * len(extra)
     e.model += [False] * len(extra)
 
 
@@ -275,6 +284,7 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, to
         [e.texts[-1] if e.texts else "" for e in episodes],
         n,
         pad_id,
+        [e.versions for e in episodes],
     )
     model_mask = torch.zeros_like(batch.response_mask)
     for r, e in enumerate(episodes):

@@ -65,6 +65,8 @@ class LocalRollouts:
             dtype=cfg.model.dtype,
             device="cpu" if t.device == "cpu" else None,
             seed=t.seed,
+            # In-flight updates (vLLM only): no forward may still be queued when step() returns (CUDA).
+            **({"async_scheduling": False} if t.inflight_updates != "off" else {}),
             **r.engine_kwargs,
         )
         reward_model = None
@@ -97,6 +99,7 @@ class LocalRollouts:
     def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
         # Cast here (a bf16 engine gets bf16: half the bytes, and vLLM warns for every tensor it must cast).
         stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype)
+        self.engine.set_version(version)  # labels the tokens it samples from now on
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)

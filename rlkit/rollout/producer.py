@@ -240,7 +240,8 @@ class Producer:
         a = self.cfg.algo
         if a.dynamic_sampling == "off":
             piece = self._generate_and_score(step, 0, timers)
-            return ScoredBatch(**piece, stats={}, policy_version=step)
+            # The oldest version that sampled a token (the engine's, `step` in sync mode).
+            return ScoredBatch(**piece, stats={}, policy_version=piece["rollout"].oldest_version(step))
 
         G, ppr = self.group_size, self.prompts_per_rank
         needed = ppr * self.world
@@ -265,7 +266,7 @@ class Producer:
             scored = self._assemble(pieces, select_groups(keep, needed))
         stats = {"dynamic/gen_batches": float(len(keep)), "dynamic/kept_frac": kept / max(generated, 1)}
         stats.update(self._kept_per_task(pieces, keep))
-        return dataclasses.replace(scored, stats=stats, policy_version=step)
+        return dataclasses.replace(scored, stats=stats, policy_version=scored.rollout.oldest_version(step))
 
     def _kept_per_task(self, pieces: list[dict], keep: list[Tensor]) -> dict[str, float]:
         """`dynamic/kept_frac/<task>`: the share of each task's generated groups that had signal."""

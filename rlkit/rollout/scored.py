@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from rlkit.batch import SUMMED_STATS, RolloutBatch, ScoredBatch
+from rlkit.batch import NO_VERSION, SUMMED_STATS, RolloutBatch, ScoredBatch
 
 
 def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -35,6 +35,11 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
         group_size=parts[0].group_size,
         response_texts=tuple(t for b in parts for t in b.response_texts),
         stats={k: sum(b.stats.get(k, 0.0) for b in parts) for k in SUMMED_STATS},
+        token_versions=(
+            torch.cat([right(b.token_versions, T, NO_VERSION) for b in parts])
+            if all(b.token_versions is not None for b in parts)
+            else None
+        ),
     )
 
 
@@ -54,13 +59,14 @@ def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
         group_size=G,
         response_texts=tuple(rb.response_texts[i] for i in rows) if rb.response_texts else (),
         stats={},
+        token_versions=rb.token_versions[idx] if rb.token_versions is not None else None,
     )
 
 
 def merge_scored(parts: list[ScoredBatch]) -> ScoredBatch:
     """One ScoredBatch of several producers' shares (in rank order: the global prompt order).
 
-    Counters add up; `stats` (global already) and `policy_version` come from the first share.
+    Counters add up; `stats` (global already) come from the first share; `policy_version` is the oldest share's.
     """
     first = parts[0]
     rb = concat_rollouts([p.rollout for p in parts])  # sums the SUMMED_STATS
@@ -76,6 +82,7 @@ def merge_scored(parts: list[ScoredBatch]) -> ScoredBatch:
         tasks={k: torch.cat([p.tasks[k] for p in parts]) for k in first.tasks},
         env_errors=sum(p.env_errors for p in parts),
         env_timeouts=sum(p.env_timeouts for p in parts),
+        policy_version=min(p.policy_version for p in parts),
     )
 
 

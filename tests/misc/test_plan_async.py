@@ -54,3 +54,22 @@ def test_phases_from_a_run_and_the_command_line(tmp_path):
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "| 1 | 1 | 8.00 | 11.00 | 0.73x |" in out  # sync 5+2+1; async max(10, 4) + 1
+
+
+def test_long_tail_model_by_hand():
+    # 3 responses of 10 tokens and one of 100 at 0.02 s per step: drained 100 * 0.02 = 2 s, slot use
+    # mean 32.5 / 100, streaming 32.5 * 0.02 = 0.65 s. The push lands at 0.5 + 0.1 = 0.6 s = token 30: staleness
+    # (10 + 10 + 10 + 30) / 130 of the tokens.
+    lengths = plan.tail_lengths(4, 10, 100, 0.25)
+    assert sorted(lengths) == [10, 10, 10, 100]
+    t = plan.long_tail(lengths, 0.02, 0.5, 0.1)
+    assert t["drained_s"] == pytest.approx(2.0) and t["streaming_s"] == pytest.approx(0.65)
+    assert t["slot_use"] == pytest.approx(0.325)
+    assert t["staleness_inflight"] == pytest.approx(60 / 130) and t["staleness_off"] == 1.0
+    # Generation done before the push: every token stays one version old.
+    assert plan.long_tail(lengths, 0.001, 0.5, 0.1)["staleness_inflight"] == 1.0
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plan_async.py"), "--gpus", "2", "--lengths", "4:10:100:0.25",
+         "--step-ms", "20"], capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "drained generation 2.00 s (slot use 32%)" in out and "1.00 without in-flight updates" in out

@@ -95,3 +95,34 @@ def test_every_step_trains_the_version_the_rule_names(staleness):
     _, trained, dropped = play(Schedule(staleness=staleness, steps=6), range(6), [])
     assert [v for _, v in trained] == [generating_version(step, staleness) for step in range(6)]
     assert [i for i, _ in trained] == list(range(6)) and dropped == []
+
+
+def test_inflight_updates_need_a_behaviour_correction():
+    """trainer.inflight_updates other than off: async, the vLLM engine, and rollout IS (decoupled PPO)."""
+    import pytest
+
+    from rlkit.config.schema import ConfigError, RLConfig
+    from rlkit.rollout.remote.client import check_inflight
+
+    cfg = RLConfig()
+    cfg.trainer.mode, cfg.rollout.engine, cfg.trainer.inflight_updates = "async", "vllm", "recompute"
+    cfg.algo.rollout_is.enabled = True
+    check_inflight(cfg)
+    cfg.algo.rollout_is.enabled = False
+    with pytest.raises(
+        ConfigError, match=r"trainer.inflight_updates='recompute'.*algo.rollout_is.enabled=true"
+    ):
+        check_inflight(cfg)
+
+
+def test_a_batch_with_in_flight_tokens_is_checked_against_the_versions_pushed():
+    s = Schedule(staleness=1, steps=6)
+    assert s.push(0, pending=0) == [0, 1]  # generated from version 0
+    s.version = 1  # version 1 pushed (taken in flight by the worker generating batch 1)
+    s.check_received(1, 0, 1, in_flight=True)
+    with pytest.raises(RuntimeError, match="versions 0 .. 1; the schedule allows 0"):
+        s.check_received(0, 0, 1, in_flight=False)
+    assert s.push(2, pending=0) == [2, 3]  # generated from version 2
+    with pytest.raises(RuntimeError, match=r"the schedule allows 2 \.\. 2"):
+        s.check_received(2, 2, 3, in_flight=True)  # version 3 was never pushed
+    assert s.tokens_fresh(2, 1, 2) and not s.tokens_fresh(3, 1, 2) and not s.tokens_fresh(2, 1, 3)

@@ -76,3 +76,30 @@ class Misbehaving(Chatty):
         if self.how == "exit":
             os._exit(3)
         return super().step(text)
+
+
+def _wait_for(path: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class Gated(Chatty):
+    """An episode whose start, once the test has armed it (a file `armed` in `flags`), waits until the learner
+    has put its next push on the rollout worker's queue and begun the weight broadcast (a file `pushed`): the
+    episode's first turn is then generated while that push waits, and the worker takes it between two engine
+    steps. No stop strings, so each turn runs to rollout.max_new_tokens (one turn per episode). Unarmed, the
+    start waits up to 5 s for the arming (the first batch is generated before the learner can arm it)."""
+
+    stop = ()
+
+    def __init__(self, flags: str):
+        self.flags = flags
+
+    def reset(self, row, messages):
+        if _wait_for(os.path.join(self.flags, "armed"), 5.0):
+            _wait_for(os.path.join(self.flags, "pushed"), 300.0)
+        return messages

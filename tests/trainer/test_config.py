@@ -337,6 +337,22 @@ BAD = [
         ],
         {"trainer": {"mode": "async"}},
     ),
+    (
+        "trainer.inflight_updates",
+        "sometimes",
+        ["trainer.inflight_updates='sometimes' is not one of ['off', 'recompute', 'keep_kv']"],
+    ),
+    (
+        "trainer.inflight_updates",
+        "recompute",
+        ["trainer.inflight_updates='recompute'", "needs trainer.mode=async"],
+    ),
+    (
+        "trainer.inflight_updates",
+        "keep_kv",
+        ["trainer.inflight_updates='keep_kv'", "needs the vLLM engine", "resolves to 'hf'"],
+        {"trainer": {"mode": "async"}, "rollout": {"engine": "hf"}},
+    ),
 ]
 # One value outside each numeric key's range (int keys get ints), chosen from the range by hand.
 OUT_OF_RANGE = {
@@ -363,6 +379,7 @@ OUT_OF_RANGE = {
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
     "trainer.max_staleness": -1, "trainer.rollout_gpus": 0, "trainer.max_nonfinite_steps": 0,
     "trainer.log_samples": -1, "eval.n": 0, "eval.temperature": -0.5,
+    "algo.max_token_staleness": -1,
 }  # fmt: skip
 
 

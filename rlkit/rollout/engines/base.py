@@ -11,7 +11,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rlkit.batch import RolloutBatch, generation_stats
+from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
+
+# trainer.inflight_updates: what an engine does with running requests when new weights arrive between two of its
+# steps. "off": weights change only between batches; "recompute": running requests recompute their KV cache
+# under the new weights; "keep_kv": they keep the KV computed by the old weights (later requests get a fresh
+# cache salt). The vLLM engine implements the last two (VLLMEngine.allow_inflight_updates).
+INFLIGHT_MODES = ("off", "recompute", "keep_kv")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,12 @@ class RolloutEngine(Protocol):
     """Turns tokenised prompts into groups of sampled completions with per-token log-probs."""
 
     name: str
+    version: int
+    """The policy version of the weights held now (labels every sampled token: RolloutBatch.token_versions)."""
+
+    def set_version(self, version: int) -> None:
+        """The weights held now are policy version `version` (called by the owner after every push)."""
+        ...
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> RolloutBatch:
         """Sample `n` completions per prompt; rows of a prompt are contiguous (group index = prompt index).
@@ -99,11 +111,14 @@ def rows_to_batch(
     texts: list[str],
     n: int,
     pad_id: int,
+    versions: list[list[int]] | None = None,
 ) -> RolloutBatch:
     """Pad per-sample lists into a RolloutBatch (prompts left-padded, responses right-padded).
 
     prompts: the N = B * n prompts, one per row (a prompt repeated for its n samples);
-    rows: per sample `(response token ids, their log-probs, finish reason)`; texts: decoded responses.
+    rows: per sample `(response token ids, their log-probs, finish reason)`; texts: decoded responses;
+    versions: per sample, the policy version of each response token (NO_VERSION at environment tokens),
+    or None (the batch then carries no token versions).
     """
     num = len(rows)
     width = max(len(p) for p in prompts)
@@ -113,12 +128,17 @@ def rows_to_batch(
     response_ids = torch.full((num, steps), pad_id, dtype=torch.long)
     response_mask = torch.zeros((num, steps), dtype=torch.bool)
     logprobs = torch.zeros((num, steps), dtype=torch.float32)
+    token_versions = None if versions is None else torch.full((num, steps), NO_VERSION, dtype=torch.long)
     for i, (p, (toks, lps, _)) in enumerate(zip(prompts, rows)):
         prompt_ids[i, width - len(p) :] = torch.tensor(p)
         prompt_mask[i, width - len(p) :] = True
         response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         response_mask[i, : len(toks)] = True
         logprobs[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
+        if versions is not None:
+            if len(versions[i]) != len(toks):
+                raise ValueError(f"row {i}: {len(versions[i])} token versions for {len(toks)} tokens")
+            token_versions[i, : len(toks)] = torch.tensor(versions[i], dtype=torch.long)
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -130,6 +150,7 @@ def rows_to_batch(
         group_size=n,
         response_texts=tuple(texts),
         stats={},
+        token_versions=token_versions,
     )
 
 

@@ -83,6 +83,11 @@ class HFEngine:
 
         self.manifest = module_manifest(self.model)  # what a weight push must bring
         self._push_guard = PushGuard(self.name)
+        self.version = 0  # the policy version held (set by the owner after each push)
+
+    def set_version(self, version: int) -> None:
+        """The weights held now are policy version `version`: every token of a later batch carries it."""
+        self.version = int(version)
 
     # ---------------------------------------------------------------- generation
 
@@ -113,7 +118,9 @@ class HFEngine:
 
         group_prompts = [p for p in prompts for _ in range(n)]
         texts = self.tokenizer.batch_decode([r[0] for r in rows], skip_special_tokens=True)
-        return record_throughput(rows_to_batch(group_prompts, rows, texts, n, self.pad_id), seconds)
+        # One version per batch: weights change only between generate calls here.
+        versions = [[self.version] * len(r[0]) for r in rows]
+        return record_throughput(rows_to_batch(group_prompts, rows, texts, n, self.pad_id, versions), seconds)
 
     def _sample(self, prompts, n, sampling, generator) -> list[tuple[list[int], list[float], str]]:
         """One forward batch: prefill B prompts, repeat the cache n times, decode token by token."""

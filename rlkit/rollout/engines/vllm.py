@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import typing
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 from torch import Tensor
@@ -35,8 +35,14 @@ from torch import Tensor
 from rlkit.batch import RolloutBatch
 from rlkit.collectives import free_port
 from rlkit.models import load_tokenizer, resolve_model
-from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
+from rlkit.rollout.engines.base import (
+    INFLIGHT_MODES,
+    Sampling,
+    check_generate_args,
+    record_throughput,
+)
 from rlkit.rollout.engines.vllm_logs import quiet_push_logs
+from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
 from rlkit.weights import (
     PushGuard,
     check_manifest,
@@ -77,39 +83,6 @@ def sampling_params_from(sampling: Sampling, n: int, *, seed: int | None = None)
         logprobs=0,
         skip_special_tokens=True,
     )
-
-
-def request_outputs_to_batch(outputs, prompts: list[list[int]], n: int, pad_id: int) -> RolloutBatch:
-    """Convert vLLM `RequestOutput`s (one per prompt, in prompt order) into a RolloutBatch.
-
-    Each output must carry `n` completions with per-token logprobs (`SamplingParams.logprobs=0`);
-    the log-prob of the token vLLM sampled at each position is read from its logprob dict (or
-    `FlatLogprobs`). Raises `ValueError` when outputs and prompts do not line up, logprobs are
-    missing, or a completion finished for another reason than "stop"/"length" (aborted, error).
-    """
-    if len(outputs) != len(prompts):
-        raise ValueError(f"got {len(outputs)} request outputs for {len(prompts)} prompts")
-    rows, texts, row_prompts = [], [], []
-    for i, (out, prompt) in enumerate(zip(outputs, prompts)):
-        if list(out.prompt_token_ids) != list(prompt):
-            raise ValueError(f"request output {i} (id {out.request_id!r}) is not for prompts[{i}]")
-        completions = sorted(out.outputs, key=lambda c: c.index)
-        if len(completions) != n:
-            raise ValueError(f"request output {i} has {len(completions)} completions, expected n={n}")
-        for c in completions:
-            if c.finish_reason not in ("stop", "length"):
-                raise ValueError(f"prompts[{i}] sample {c.index} finished with {c.finish_reason!r}")
-            tokens = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(tokens):
-                raise ValueError(
-                    f"prompts[{i}] sample {c.index} has no per-token logprobs: "
-                    f"SamplingParams.logprobs must be 0 (see sampling_params_from)"
-                )
-            logps = [position[token].logprob for token, position in zip(tokens, c.logprobs)]
-            rows.append((tokens, logps, c.finish_reason))
-            texts.append(c.text)
-            row_prompts.append(list(prompt))
-    return rows_to_batch(row_prompts, rows, texts, n, pad_id)
 
 
 def vllm_weight_name(hf_name: str) -> str:
@@ -345,14 +318,69 @@ class VLLMEngine:
                 kv_cache_gib if kv_cache_gib is not None else "auto",
             )  # fmt: skip
         self.context = self.llm.llm_engine.model_config.max_model_len
+        self.version = 0
+        self.llm.llm_engine.set_weight_version("0")  # labels the tokens of every later engine step
+        self.inflight = "off"
+        self._between_steps: Callable[[], None] | None = None
         self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
         self._asleep = self._weights_awake = False
         self._weights_lost = False  # level-2 sleep dropped the weights; a push must come first
         self._calls = 0
         self._seed = seed
 
+    def set_version(self, version: int, *, in_flight: bool = False) -> None:
+        """The weights held now are policy version `version`: vLLM labels every later step's tokens with it
+        (`set_weight_version`; a finished completion reports them as `weight_versions` spans).
+
+        `in_flight=True`: the weights were pushed between two steps of a generation (`between_steps`). With
+        `inflight_updates="recompute"` the running requests are preempted and re-prefilled (prompt and the
+        tokens sampled so far) under the new weights: `reset_prefix_cache(reset_running_requests=True)`; without
+        that flag vLLM 0.32 resets nothing while requests run and returns False. With "keep_kv" they continue
+        on the KV the old weights computed (their later tokens come from that hybrid, which is what their
+        log-probs record); requests enqueued from now on carry this version's cache salt, so none of them
+        reuses a prefix block the old weights computed."""
+        self.version = int(version)
+        self.llm.llm_engine.set_weight_version(str(self.version))
+        if in_flight and self.inflight == "recompute":
+            self.llm.reset_prefix_cache(reset_running_requests=True)  # raises if vLLM cannot
+
+    def allow_inflight_updates(self, mode: str, between_steps: Callable[[], None]) -> None:
+        """Drive every generation step by step and call `between_steps()` after each engine step while requests
+        are unfinished: there the owner may push weights (`load_weights`, then `set_version(v, in_flight=True)`).
+
+        No forward is running when `between_steps` is called only if the engine schedules synchronously:
+        vLLM's CPU platform always does; on CUDA the engine must be built with `async_scheduling=False`
+        (otherwise `step()` returns while the next batch's forward is queued, and a push would race it).
+        Every output must then carry `weight_versions` spans (an output without them is refused)."""
+        if mode not in INFLIGHT_MODES or mode == "off":
+            raise ValueError(
+                f"inflight mode {mode!r}: expected one of {[m for m in INFLIGHT_MODES if m != 'off']}"
+            )
+        if self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+            raise ValueError(
+                "in-flight weight updates need vLLM built with async_scheduling=False (a queued forward would "
+                "race the push)"
+            )
+        self.inflight, self._between_steps = mode, between_steps
+
+    def _run_stepwise(self, requests, params) -> list:
+        """`llm.generate`'s loop (enqueue, then `llm_engine.step()` until done), with `between_steps` after
+        every step that leaves requests unfinished; outputs in prompt order."""
+        engine = self.llm.llm_engine
+        self.llm.enqueue(requests, params, use_tqdm=False)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [out for out in engine.step() if out.finished]
+            if engine.has_unfinished_requests():
+                self._between_steps()
+        # As `llm.generate` orders them (request ids count up); request_outputs_to_batch checks each prompt.
+        return sorted(finished, key=lambda out: int(out.request_id))
+
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> RolloutBatch:
-        """Sample `n` completions per prompt; the `n` rows of prompt i are contiguous. See HFEngine."""
+        """Sample `n` completions per prompt; the `n` rows of prompt i are contiguous. See HFEngine.
+
+        `token_versions` come from vLLM's per-token weight-version spans; with in-flight updates allowed
+        (`allow_inflight_updates`) a row may span several versions."""
         from vllm.inputs import TokensPrompt
 
         check_generate_args(prompts, n, self.context)
@@ -370,12 +398,18 @@ class VLLMEngine:
             base = (self._seed * 1_000_003 + self._calls) * 7919 + self.rank * 104_729
         self._calls += 1
         params = [sampling_params_from(sampling, n, seed=base + i * n) for i in range(len(prompts))]
+        # keep_kv: a new request never reuses prefix blocks that older weights computed.
+        salt = {"cache_salt": f"rlkit-v{self.version}"} if self.inflight == "keep_kv" else {}
+        requests = [TokensPrompt(prompt_token_ids=p, **salt) for p in prompts]
         t0 = time.perf_counter()
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
+        if self._between_steps is None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        else:
+            outputs = self._run_stepwise(requests, params)
         seconds = time.perf_counter() - t0
-        return record_throughput(request_outputs_to_batch(outputs, prompts, n, self.pad_id), seconds)
+        fallback = None if self._between_steps is not None else self.version
+        batch = request_outputs_to_batch(outputs, prompts, n, self.pad_id, version=fallback)
+        return record_throughput(batch, seconds)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, manifest=None) -> int:
@@ -488,6 +522,7 @@ __all__ = [
     "contained_side_effects",
     "request_outputs_to_batch",
     "sampling_params_from",
+    "span_versions",
     "vllm_can_run",
     "vllm_weight_name",
 ]

@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import traceback
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -108,35 +109,83 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, erro
 
 def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, device) -> None:
     """Generate the granted batches and follow the control messages until `Stop`."""
-    dtype = torch_dtype(rollouts.cfg.model.dtype)  # the engine's; pushes arrive in it
-    version, credits, index = -1, 0, start["index"]
-    checked = None  # the digests of the last verified push (rlkit.weights.check_engine)
-    while True:
-        if credits:
-            # A granted batch, generated with the weights held now (the schedule in schedule.py).
-            timers = Timers()
-            sb = rollouts.produce(index, timers)
-            sb = dataclasses.replace(sb, policy_version=version)
-            results.put(dumps(BatchShare(r, index, sb, rollouts.order.position, timers.seconds)))
-            index, credits = index + 1, credits - 1
-            continue
-        msg = _control(ctrl, start["parent"])
-        if isinstance(msg, Push):
-            version = msg.version
-            receive_weights(pg, rollouts.engine, msg.manifest, dtype, device)
-            if rollouts.cfg.rollout.verify_push:  # the learner's digests of this push come next
-                sent = _control(ctrl, start["parent"])
-                if not isinstance(sent, Digests) or sent.version != version:
-                    raise RuntimeError(
-                        f"rollout worker {r}: expected the digests of push {version}, got {sent!r}"
-                    )
-                checked = check_engine(sent.digests, rollouts.engine, checked)
-            if msg.evaluate:
-                metrics = rollouts.evaluate(version)
-                if r == 0:
-                    results.put(dumps(EvalResult(r, version, metrics)))
-            credits += msg.grant
-        elif isinstance(msg, Grant):
-            credits += msg.count
-        elif isinstance(msg, Stop):
-            return
+    _Server(rollouts, r, pg, ctrl, results, start, device).serve()
+
+
+class _Server:
+    """A worker's control loop. Between batches it handles every message in order. With
+    `trainer.inflight_updates` on, the engine also calls `between_steps` after each of its steps during a
+    generation: a `Grant` is counted and a `Push` without an evaluation is taken there (weights received,
+    checked like every push, the engine's version set, running requests handled by the mode); the first
+    message that must wait for the batch (an evaluating `Push`, `Stop`) is held, and so is everything after it."""
+
+    def __init__(self, rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, device):
+        self.rollouts, self.r, self.pg, self.ctrl, self.results = rollouts, r, pg, ctrl, results
+        self.parent, self.device = start["parent"], device
+        self.dtype = torch_dtype(rollouts.cfg.model.dtype)  # the engine's; pushes arrive in it
+        self.version, self.credits, self.index = -1, 0, start["index"]
+        self.checked = None  # the digests of the last verified push (rlkit.weights.check_engine)
+        self.held: deque = deque()  # messages read in flight that wait for the batch to finish
+        self.swaps = 0  # pushes taken in flight during the current batch
+        mode = rollouts.cfg.trainer.inflight_updates
+        if mode != "off":
+            rollouts.engine.allow_inflight_updates(mode, self.between_steps)
+
+    def serve(self) -> None:
+        while True:
+            if self.credits:
+                # A granted batch, generated with the weights held now, or newer ones taken in flight
+                # (the schedule in schedule.py); its policy version is its oldest token's.
+                timers, self.swaps = Timers(), 0
+                sb = self.rollouts.produce(self.index, timers)
+                if self.rollouts.cfg.trainer.inflight_updates != "off":
+                    sb = dataclasses.replace(sb, stats={**sb.stats, "inflight/swaps": float(self.swaps)})
+                position = self.rollouts.order.position
+                self.results.put(dumps(BatchShare(self.r, self.index, sb, position, timers.seconds)))
+                self.index, self.credits = self.index + 1, self.credits - 1
+                continue
+            msg = self.held.popleft() if self.held else _control(self.ctrl, self.parent)
+            if isinstance(msg, Push):
+                self.take_push(msg, in_flight=False)
+                if msg.evaluate:
+                    metrics = self.rollouts.evaluate(self.version)
+                    if self.r == 0:
+                        self.results.put(dumps(EvalResult(self.r, self.version, metrics)))
+            elif isinstance(msg, Grant):
+                self.credits += msg.count
+            elif isinstance(msg, Stop):
+                return
+
+    def take_push(self, msg: Push, *, in_flight: bool) -> None:
+        """Receive version `msg.version` into the engine, check it (rollout.verify_push) and grant its batches."""
+        engine = self.rollouts.engine
+        receive_weights(self.pg, engine, msg.manifest, self.dtype, self.device)
+        if self.rollouts.cfg.rollout.verify_push:  # the learner's digests of this push come next
+            sent = _control(self.ctrl, self.parent)
+            if not isinstance(sent, Digests) or sent.version != msg.version:
+                raise RuntimeError(
+                    f"rollout worker {self.r}: expected the digests of push {msg.version}, got {sent!r}"
+                )
+            self.checked = check_engine(sent.digests, engine, self.checked)
+        self.version = msg.version
+        if in_flight:
+            engine.set_version(msg.version, in_flight=True)
+        else:
+            engine.set_version(msg.version)
+        self.credits += msg.grant
+
+    def between_steps(self) -> None:
+        """Called by the engine between two of its steps (in-flight updates): take what may be taken now."""
+        while not self.held:
+            try:
+                data = self.ctrl.get_nowait()
+            except queue.Empty:
+                return
+            msg = loads(data, TO_WORKER)
+            if isinstance(msg, Grant):
+                self.credits += msg.count
+            elif isinstance(msg, Push) and not msg.evaluate:
+                self.take_push(msg, in_flight=True)
+                self.swaps += 1
+            else:
+                self.held.append(msg)
