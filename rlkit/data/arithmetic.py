@@ -153,9 +153,15 @@ def generate_arithmetic(
             f"data.num_train + data.num_eval = {num_train + num_eval} exceeds the {len(rows)} distinct "
             "arithmetic problems available"
         )
+    return write_splits(directory, train=rows[num_eval:], test=rows[:num_eval])
+
+
+def write_splits(directory: Path, *, train: list[dict], test: list[dict]) -> Path:
+    """Write generated rows as `directory/{train,test}.jsonl`, atomically: a temporary folder renamed into
+    place, so a reader never sees half a set and two processes generating the same set do not collide."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".tmp-arith-"))
-    for name, part in (("test.jsonl", rows[:num_eval]), ("train.jsonl", rows[num_eval:])):
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".tmp-{directory.name}-"))
+    for name, part in (("test.jsonl", test), ("train.jsonl", train)):
         with open(tmp / name, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
     try:

@@ -23,14 +23,13 @@ import functools
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from rlkit.config.schema import ConfigError
+from rlkit.data.arithmetic import write_splits
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +178,7 @@ def generate(directory: Path, tasks, *, num_train: int, num_eval: int) -> Path:
         )  # fmt: skip
     if not train_rows:
         raise ValueError(f"reasoning_gym: every training question of {tasks} is an eval question")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".tmp-rg-"))
-    for name, part in (("test.jsonl", eval_rows), ("train.jsonl", train_rows)):
-        with open(tmp / name, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in part)
-    try:
-        tmp.rename(directory)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    return write_splits(directory, train=train_rows, test=eval_rows)
 
 
 def cache_name(tasks, num_train: int, num_eval: int) -> str:
