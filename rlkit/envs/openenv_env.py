@@ -17,6 +17,7 @@ JSON (without `reward`, `done` and `metadata`). A server started from a Docker i
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 
 from rlkit.envs.base import Environment
@@ -129,4 +130,6 @@ def environment_class(url: str) -> type:
             "image are not supported in this version: start the server (docker run -p 8000:8000 <image>, or "
             f"uvicorn) and set env.name={PREFIX}http://<host>:<port>"
         )
+    if importlib.util.find_spec("openenv") is None:  # found without importing it
+        raise ValueError(f"env.name={PREFIX}{url}: openenv-core is not installed; {INSTALL}")
     return type(f"OpenEnv[{url}]", (OpenEnvEnv,), {"url": url})

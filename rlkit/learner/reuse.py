@@ -50,6 +50,7 @@ def reusable(cfg, *, dropout: bool) -> tuple[bool, str]:
         (bool(c.enabled) and c.mode != "truncate", f"IS rejection (algo.rollout_is.mode={c.mode})"),
         (bool(c.enabled) and (c.veto_lower is not None or c.veto_upper is not None), "the IS veto"),
         (dropout, "dropout in the policy"),
+        (a.max_token_staleness is not None, "algo.max_token_staleness (it masks single tokens of a row)"),
     ]
     why = [r for bad, r in reasons if bad]
     return not why, "; ".join(why)

@@ -80,6 +80,8 @@ def make_batch(
             is_weights=torch.rand(n, response_width, generator=g) + 0.5,
             values=rand(),
             returns=rand(),
+            # two policy versions within each row (no generator draw: the other fields stay as they were)
+            token_versions=(torch.arange(response_width) >= response_width // 2).long().expand(n, -1).clone(),
         )
     return TrainBatch(
         prompt_ids=prompt_ids,

@@ -17,17 +17,21 @@ from rlkit.train import compose
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # A word the docs use for "your value here": such a command shows a shape, not a runnable line.
-PLACEHOLDER = re.compile(r"[A-Z]{2,}(?:_[A-Z]+)*|<[^>]*>|\.\.\.|\bS\b|/data/|my-org/|my_rewards:|my_confs")
+PLACEHOLDER = re.compile(
+    r"\$\{?\w+|[A-Z]{2,}(?:_[A-Z]+)*|<[^>]*>|\.\.\.|\bS\b|/data/|my-org/|my_rewards:|my_confs"
+)
 
 
 def _commands(prefix: str, stop: str = "`#|,") -> list[tuple[str, str]]:
-    """(page:line, command) of every `prefix ...` in code: fenced lines and `inline` spans."""
+    """(page:line, command) of every `prefix ...` in code: fenced lines and `inline` spans. A command ends at
+    a character of `stop` or a `;` (the shell's), but not inside a quoted word ('data.tasks=[a,b]')."""
+    stop += ";"
     out = []
     for page in PAGES:
         text = page.read_text()
         text = re.sub(r"\\\n\s*", " ", text)  # shell line continuations
         for n, line in enumerate(text.splitlines(), 1):
-            for m in re.finditer(re.escape(prefix) + f"[^{stop}]*", line):
+            for m in re.finditer(re.escape(prefix) + f"(?:'[^']*'|\"[^\"]*\"|[^{stop}'\"])*", line):
                 cmd = m.group(0).strip().rstrip(".,;:)")
                 out.append((f"{page.relative_to(REPO)}:{n}", cmd))
     return out

@@ -5,6 +5,7 @@ a manifest that does not fit) and the side effects of building it on the trainin
 One engine per model (tied, untied) for the whole module; tiny Llamas with head_dim 32, the smallest
 head size vLLM's CPU attention supports."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -346,6 +347,31 @@ def test_a_bf16_engine_takes_fp32_pushes_rounded_once(ckpts, prompts):
         engine.close()
 
 
+@contextlib.contextmanager
+def _push_loggers_live():
+    """vLLM's push loggers as a fresh process has them: enabled at INFO (an earlier test in this process may
+    have disabled them, e.g. a logging config applied with disable_existing_loggers, or raised their level),
+    so that the records the quiet push must hold back are really emitted."""
+    import logging
+
+    from rlkit.rollout.engines.vllm_logs import PUSH_LOGGERS
+
+    loggers = [logging.getLogger(name) for name in PUSH_LOGGERS]
+    saved = [(lg.disabled, lg.level) for lg in loggers]
+    disabled_below = logging.root.manager.disable
+    logging.disable(logging.NOTSET)
+    for lg in loggers:
+        lg.disabled = False
+        lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(disabled_below)
+        for lg, (disabled, level) in zip(loggers, saved):
+            lg.disabled = disabled
+            lg.setLevel(level)
+
+
 def test_a_push_logs_no_warning_and_one_debug_line(case, capfd, caplog):
     """vLLM's per-push lines (INFO, and the rotary layer's WARNING "Failed to load weights") stay off the
     user's console; rlkit logs one debug line holding them; the push's parts are timed."""
@@ -354,7 +380,7 @@ def test_a_push_logs_no_warning_and_one_debug_line(case, capfd, caplog):
     _, ckpt, engine, _ = case
     model = load_causal_lm(ckpt)
     capfd.readouterr()
-    with caplog.at_level(logging.DEBUG, logger="rlkit.rollout.engines.vllm"):
+    with _push_loggers_live(), caplog.at_level(logging.DEBUG, logger="rlkit.rollout.engines.vllm"):
         stats = push_weights(Export(module_manifest(model), model.named_parameters), engine)
     out, err = capfd.readouterr()
     assert "WARNING" not in out + err and "Reloading" not in out + err, out + err
@@ -375,11 +401,12 @@ def test_quiet_push_logs_keeps_real_warnings_and_errors():
     lg = logging.getLogger(PUSH_LOGGERS[1])  # layerwise
     lg.addHandler(handler)
     try:
-        with quiet_push_logs() as quieted:
-            lg.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")  # benign: held back
-            lg.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real layer: shown
-            lg.error("boom")
-        lg.warning("%s: Failed to load weights", "RotaryEmbedding")  # outside a push: shown
+        with _push_loggers_live():
+            with quiet_push_logs() as quieted:
+                lg.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")  # benign: held back
+                lg.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real layer: shown
+                lg.error("boom")
+            lg.warning("%s: Failed to load weights", "RotaryEmbedding")  # outside a push: shown
     finally:
         lg.removeHandler(handler)
     assert quieted == ["Llama3RotaryEmbedding: Failed to load weights"]

@@ -56,7 +56,9 @@ def test_staleness_zero_equals_sync_and_every_push_reaches_the_worker(tiny, tmp_
     assert base[1]["eval/pass@1"] == pytest.approx(base[0]["eval/pass@1"])
 
 
-STALENESS_ONE = ("trainer.max_staleness=1", "trainer.steps=4", *ASYNC)
+# The separate scoring pass: the decoupled-PPO check below reads the TrainBatch's IS weights (the reused forward
+# computes them inside the update; tests/learner/test_reuse.py holds the two paths equal).
+STALENESS_ONE = ("trainer.max_staleness=1", "trainer.steps=4", "trainer.reuse_update_forward=false", *ASYNC)
 
 
 def _step_then_sigterm(real_step):
@@ -229,8 +231,8 @@ def test_a_dead_rollout_worker_is_a_loud_error(tiny, tmp_path, monkeypatch):
         started.append(self)
         return real_start(self, *args, **kw)
 
-    def update_then_kill(self, batch):
-        out = real_update(self, batch)
+    def update_then_kill(self, batch, **kw):
+        out = real_update(self, batch, **kw)
         for proc in started[0].procs:  # SIGKILL: the worker cannot report anything
             proc.kill()
             proc.join()

@@ -91,9 +91,9 @@ def test_an_estimator_registered_outside_the_package_trains(tiny, tmp_path, monk
 
     real_update = Learner.update
 
-    def update(self, batch):
+    def update(self, batch, **kw):
         trained.append(batch)
-        return real_update(self, batch)
+        return real_update(self, batch, **kw)
 
     monkeypatch.setattr(Learner, "update", update)
     produced = []

@@ -131,9 +131,9 @@ def test_overlong_filter_and_penalty(tiny, tmp_path):
     seen = {}
     real_update = trainer.learner.update
 
-    def spy(batch):
+    def spy(batch, **kw):
         seen["mask"] = batch.response_mask.clone()
-        return real_update(batch)
+        return real_update(batch, **kw)
 
     trainer.learner.update = spy
     real_produce = trainer.rollouts.producer.produce

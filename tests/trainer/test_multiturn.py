@@ -32,9 +32,9 @@ def test_multi_turn_exact_resume_and_observation_tokens_never_trained(tiny, tmp_
     seen = []
     real_update = Learner.update
 
-    def capture(self, batch):
+    def capture(self, batch, **kw):
         seen.append(batch)
-        return real_update(self, batch)
+        return real_update(self, batch, **kw)
 
     monkeypatch.setattr(Learner, "update", capture)
     fast = [*MULTI, "trainer.eval_at_start=false"]

@@ -43,10 +43,28 @@ def _session(sid):
     return out
 
 
+def _all_pids():
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _family(launcher, workers):
+    """What is left of the run: its session (launcher, ranks) and those of `workers` still alive."""
+    alive = [p for p in workers if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+    return _session(launcher) + alive
+
+
+def _state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 def _rank_pid(launcher, rank):
     """The trainer process of `rank`: a child of the launcher whose reward workers have RANK=rank (the
-    launcher sets RANK inside the rank process, so only processes it starts show it in /proc)."""
-    for pid in _session(launcher):
+    launcher sets RANK inside the rank process, so only processes it starts show it in /proc). Every process
+    is looked at: reward workers lead sessions of their own (rlkit.rewards.containment)."""
+    for pid in _all_pids():
         try:
             parent = _ppid(pid)
             if _environ(pid).get("RANK") == str(rank) and _ppid(parent) == launcher:
@@ -71,6 +89,7 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
         [sys.executable, "-m", "rlkit.train", *args], env=env, stdout=out, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
+    workers = []
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() or not read_jsonl(run_dir / "metrics.jsonl"):
@@ -80,17 +99,19 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
             time.sleep(0.2)
         victim = _rank_pid(proc.pid, 1)
         assert victim is not None
+        # the ranks' reward workers (each leads a session of its own), to check they end too
+        workers = [p for p in _all_pids() if _environ(p).get("RANK") in ("0", "1") and p != proc.pid]
         os.kill(victim, signal.SIGSTOP)
         start = time.monotonic()
         rc = proc.wait(timeout=10 * timeout_s)
         elapsed = time.monotonic() - start
         for _ in range(50):  # the reward workers follow their rank within moments
-            if not _session(proc.pid):
+            if not _family(proc.pid, workers):
                 break
             time.sleep(0.1)
-        left = _session(proc.pid)
+        left = _family(proc.pid, workers)
     finally:
-        for pid in _session(proc.pid):
+        for pid in _family(proc.pid, workers):
             os.kill(pid, signal.SIGKILL)
         proc.wait()
     text = (tmp_path / "out.txt").read_text()
