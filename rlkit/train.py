@@ -54,6 +54,7 @@ def preflight(cfg: RLConfig) -> None:
 def load_config(cfg, *, world_size: int = 1) -> RLConfig:
     """Composed Hydra config -> checked `RLConfig`: the schema's rules, then every component's `check_config`."""
     config = parse(cfg, world_size=world_size)
+    learner.strategy.resolve_dtypes(config)  # model.dtype=auto -> the machine's fast dtype, before any check
     preflight(config)
     return config
 

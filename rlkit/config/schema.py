@@ -61,14 +61,17 @@ class ModelConfig:
     path: str = ""
     """Hub id, local HF checkpoint dir, or a short name resolved by rlkit.models (e.g. `smollm2-135m`)."""
     dtype: str = "bfloat16"
-    """float32 | bfloat16: the rollout engine's weights and compute (the learner pushes its weights cast to
+    """auto | float32 | bfloat16: the rollout engine's weights and compute (the learner pushes its weights cast to
     it), and the learner's compute when model.compute_dtype is null (bf16 on CUDA or under FSDP2). The
     learner's weights, gradients and optimizer state are fp32 whatever it is (with LoRA the frozen base is in
-    the compute dtype). float16 is not supported: it needs loss scaling, which the learner does not do."""
+    the compute dtype). float16 is not supported: it needs loss scaling, which the learner does not do. auto =
+    bfloat16 where the hardware computes it natively (a CUDA GPU with bf16; a CPU with AVX512_BF16, AMX or
+    aarch64 BF16 in /proc/cpuinfo), else float32 (emulated bf16 ran ~5x slower than fp32 on an AVX-512 Xeon
+    without it); the run's config.json records the choice."""
     compute_dtype: Optional[str] = None
     """Learner compute: null = bf16 on CUDA or under FSDP2 when model.dtype=bfloat16, else fp32; bfloat16 =
     bf16 matmuls (autocast, or FSDP2's mixed precision) with fp32 master weights, gradients and optimizer
-    state, on CPU too; float32."""
+    state, on CPU too; float32; auto = as model.dtype (after its own auto is resolved)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -1,6 +1,6 @@
 """The data-parallel strategy: accelerate's `Accelerator` for FSDP2, DDP or one plain process, on CUDA or
 on CPU over gloo; the only module that sets accelerate up. `check_config` owns `model.dtype`,
-`trainer.device` and `trainer.strategy`.
+`trainer.device` and `trainer.strategy`; `resolve_dtypes` turns `model.dtype=auto` into the machine's fast dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +13,49 @@ from rlkit.config.schema import ConfigError
 STRATEGIES = ("auto", "fsdp2", "ddp")  # trainer.strategy
 DEVICES = ("auto", "cpu", "cuda")  # trainer.device
 DTYPES = (
+    "auto",
     "float32",
     "bfloat16",
 )  # model.dtype (float16 would need loss scaling, which the learner does not do)
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo: x86 (AVX-512 BF16, AMX), aarch64 (FEAT_BF16)
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (a flag of `CPU_BF16_FLAGS` in /proc/cpuinfo).
+
+    Without it PyTorch and vLLM emulate bf16 matmuls with fp32 instructions plus conversions: on an
+    AVX-512 Xeon without AVX512_BF16 a bf16 matmul ran ~5x slower than fp32 (docs/benchmarks.md).
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:  # not Linux: no way to tell, so the safe choice
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return any(f in flags for f in CPU_BF16_FLAGS)
+
+
+def fast_dtype(device: str) -> str:
+    """`model.dtype=auto`: bfloat16 where the hardware computes it natively (a CUDA GPU with bf16, a CPU with a
+    flag of `CPU_BF16_FLAGS`), else float32."""
+    if device != "cpu" and torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def resolve_dtypes(cfg) -> None:
+    """Replace `auto` in `model.dtype` (and `model.compute_dtype`, where auto means "as model.dtype") by a
+    concrete dtype, once, before anything reads them; the run's config.json records the choice."""
+    m = cfg.model
+    if m.dtype == "auto":
+        m.dtype = fast_dtype(cfg.trainer.device)
+    if m.compute_dtype == "auto":
+        m.compute_dtype = m.dtype
 
 
 def resolve_strategy(strategy: str, *, cuda: bool, world_size: int) -> str:
