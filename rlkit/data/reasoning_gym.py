@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -196,20 +197,37 @@ def _scorer(task: str, task_config: str):
     return _library().create_dataset(task, **json.loads(task_config)).score_answer
 
 
-def score(response: str, task: str, entry: str, task_config: str) -> float:
-    """reasoning-gym's score of `response`: the task's `score_answer` on `extract_answer(response)`."""
+def tagged_answer(response: str) -> str | None:
+    """reasoning-gym's `extract_answer`: the text inside the last <answer></answer> tags, None without them."""
     _library()
     from reasoning_gym.utils import extract_answer
 
-    return float(_scorer(task, task_config)(extract_answer(response), json.loads(entry)))
+    return extract_answer(response)
+
+
+_LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def lenient_answer(response: str) -> str | None:
+    """The answer in the last <answer></answer> tags (reasoning-gym's `extract_answer`); without tags, the
+    last number written in the response (for numeric tasks and a model that answers in prose)."""
+    tagged = tagged_answer(response)
+    if tagged is not None:
+        return tagged
+    numbers = _LAST_NUMBER.findall(response.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def score(response: str, task: str, entry: str, task_config: str, *, lenient: bool = False) -> float:
+    """reasoning-gym's score of `response`: the task's `score_answer` on `extract_answer(response)` (with
+    `lenient`, on `lenient_answer(response)`)."""
+    answer = lenient_answer(response) if lenient else tagged_answer(response)
+    return float(_scorer(task, task_config)(answer, json.loads(entry)))
 
 
 def has_answer(response: str) -> bool:
     """Whether reasoning-gym's `extract_answer` finds an answer (<answer>...</answer>) in `response`."""
-    _library()
-    from reasoning_gym.utils import extract_answer
-
-    return extract_answer(response) is not None
+    return tagged_answer(response) is not None
 
 
 def plain(tasks):

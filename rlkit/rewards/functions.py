@@ -13,7 +13,7 @@ a model or a service with its own concurrency. `reward.route_by: data_source` pi
 of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
 
 Built-ins are registered by name (`math`, `format`, `none`: 0 for everything, `reasoning_gym`: the task's
-own scorer, rlkit/data/reasoning_gym.py; `answer_tags`: 1 for an answer in <answer></answer> tags); any other function is addressed by import path
+own scorer, rlkit/data/reasoning_gym.py; `reasoning_gym_lenient`: the same, a response without tags scored on its last number; `answer_tags`: 1 for an answer in <answer></answer> tags); any other function is addressed by import path
 (`my_module:my_fn` or `my_module.my_fn`). What counts as *correct* (accuracy, pass@k, the refill filter)
 is the main reward function's verdict: a reward >= `reward.correct_threshold` unless the function declares
 its own with `@correct_when`.
@@ -131,6 +131,16 @@ def reasoning_gym_reward(
     return reasoning_gym.score(response, task, entry, task_config)
 
 
+@correct_when(lambda r: r >= 1.0)
+def reasoning_gym_lenient_reward(
+    prompt: str, response: str, answer: str, task: str, entry: str, task_config: str
+) -> float:
+    """`reasoning_gym`, but a response without <answer></answer> tags is scored on its last number
+    (`reasoning_gym.lenient_answer`): a signal from the first step for a small model that answers numeric
+    tasks in prose. Not reasoning-gym's contract: report accuracies measured with it as such."""
+    return reasoning_gym.score(response, task, entry, task_config, lenient=True)
+
+
 def answer_tags_reward(prompt: str, response: str, answer: str) -> float:
     """1.0 when reasoning-gym's `extract_answer` finds an answer in <answer></answer> tags, else 0.0: a format
     term (`reward.extra={answer_tags: 0.2}`) for a model that does not use the tags on its own yet."""
@@ -142,6 +152,7 @@ REGISTRY: dict[str, Callable[[str, str, str], float]] = {
     "format": format_reward,
     "none": no_reward,
     "reasoning_gym": reasoning_gym_reward,
+    "reasoning_gym_lenient": reasoning_gym_lenient_reward,
     "answer_tags": answer_tags_reward,
 }
 
@@ -212,6 +223,8 @@ def math_answer(response: str) -> str | None:
 
 
 math_reward.rlkit_answer = math_answer
+reasoning_gym_reward.rlkit_answer = reasoning_gym.tagged_answer  # maj@k votes on the tagged answers
+reasoning_gym_lenient_reward.rlkit_answer = reasoning_gym.lenient_answer
 
 
 def extract_answer(spec: str, response: str) -> str | None:

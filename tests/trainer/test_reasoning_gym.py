@@ -229,3 +229,29 @@ def test_refill_counts_kept_groups_per_task(tiny, tmp_path):
     assert metrics["dynamic/kept_frac/chain_sum"] == 1.0
     assert metrics["dynamic/kept_frac/leg_counting"] == 0.0
     assert metrics["dynamic/kept_frac"] == pytest.approx(drawn.count("chain_sum") / len(drawn))
+
+
+def test_lenient_reward_scores_the_tagged_answer_else_the_last_number():
+    from rlkit.rewards.functions import call_reward, extract_answer
+
+    ds = rg.create_dataset("chain_sum", min_terms=2, max_terms=2, max_digits=1, size=4, seed=3)
+    entry = ds[0]
+    gold = entry["answer"]
+    row = {"question": entry["question"], "answer": gold, "task": "chain_sum",
+           "entry": json.dumps(entry), "task_config": json.dumps({"min_terms": 2, "max_terms": 2, "max_digits": 1})}
+    wrong = str(int(gold) + 1)
+    texts = [
+        f"The sum is {gold}.",                            # prose, right last number
+        f"{wrong} is not it; the answer is {gold}",       # the last number counts
+        f"The answer is {gold}, not {wrong}.",            # ...even when wrong
+        f"<answer>{wrong}</answer> then {gold}",          # tags win over the last number
+        "no number here",
+    ]
+    lenient = [call_reward("reasoning_gym_lenient", [("p", t, gold, row)])[0][0] for t in texts]
+    strict = [call_reward("reasoning_gym", [("p", t, gold, row)])[0][0] for t in texts]
+    # by hand: reasoning-gym's own score_answer on the answer each rule picks
+    picked = [gold, gold, wrong, wrong, None]
+    assert lenient == [ds.score_answer(a, entry) for a in picked] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert strict == [0.0, 0.0, 0.0, 0.0, 0.0]  # no tags, no answer for reasoning-gym; tagged: wrong
+    assert [extract_answer("reasoning_gym_lenient", t) for t in texts] == picked
+    assert extract_answer("reasoning_gym", texts[3]) == wrong  # maj@k votes on the tagged answer
