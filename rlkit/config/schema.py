@@ -377,7 +377,8 @@ class TrainerConfig:
     """Show a tqdm progress bar on rank 0."""
     compile: bool = False
     """torch.compile the policy's forward (dynamic shapes; `learner/compiled_graphs` counts the graphs);
-    off by default: it pays only where a whole run, compilation included, is measured faster."""
+    off by default: on the CPU quickstart compiling took 6.5 min and the update ran no faster after it
+    (docs/benchmarks.md, The compiled learner)."""
     compile_backend: str = "inductor"
     """inductor (C++ on CPU, Triton on CUDA) | aot_eager | eager (the last two: debugging)."""
     reuse_update_forward: bool = True
