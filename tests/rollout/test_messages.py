@@ -133,7 +133,11 @@ def test_a_crafted_queue_message_is_refused_and_never_run(tmp_path):
 
 
 def test_pending_batches_round_trip_through_a_safetensors_file(tmp_path):
-    items = [Pending(2, scored(1), 16, {"timing/generate_s": 0.5}), Pending(3, scored(2), 24, {})]
+    # Batch 2 with rows that mix versions 1 and 2 (in-flight updates; -1 at padding).
+    mixed = scored(1)
+    versions = torch.tensor([[1, 2, -1], [1, 1, -1], [2, 2, -1], [1, 2, -1]])
+    mixed = dataclasses.replace(mixed, rollout=dataclasses.replace(mixed.rollout, token_versions=versions))
+    items = [Pending(2, mixed, 16, {"timing/generate_s": 0.5}), Pending(3, scored(2), 24, {})]
     path = tmp_path / "rollouts.safetensors"
     save_pending(path, items)
     assert path.read_bytes()[:8] != b"PK\x03\x04"  # not a torch (zip of pickles) file

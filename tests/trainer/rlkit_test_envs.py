@@ -103,3 +103,33 @@ class Gated(Chatty):
         if _wait_for(os.path.join(self.flags, "armed"), 5.0):
             _wait_for(os.path.join(self.flags, "pushed"), 300.0)
         return messages
+
+
+def _number(flags: str) -> int:
+    """The next number of the run's episode starts: the first `reset_<n>` this call creates in `flags`
+    (O_EXCL: each number goes to exactly one caller, whichever worker process it runs in)."""
+    n = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(flags, f"reset_{n}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return n
+        except FileExistsError:
+            n += 1
+
+
+class GatedFrom(Chatty):
+    """Gated by episode number, with no timing involved: the episodes of the run are numbered in the order
+    their starts run (files in `flags`; a batch's resets all end before the next batch's begin, so with B
+    episodes a batch, batch k holds numbers kB .. kB + B - 1). Episode `first` and later wait at their start
+    until the learner has put its next push on the rollout worker's queue and begun the weight broadcast (a
+    file `pushed`); earlier ones start at once. No stop strings, as Gated (one full turn per episode)."""
+
+    stop = ()
+
+    def __init__(self, flags: str, first: int):
+        self.flags, self.first = flags, int(first)
+
+    def reset(self, row, messages):
+        if _number(self.flags) >= self.first:
+            _wait_for(os.path.join(self.flags, "pushed"), 300.0)
+        return messages
