@@ -43,6 +43,8 @@ def overrides(tiny, run_dir, *extra):
         "trainer.save_every=0",
         "trainer.progress_bar=false",
         "reward.num_workers=1",
+        "reward.fn=reasoning_gym",  # reasoning-gym's own contract (the recipe's is reasoning_gym_lenient)
+        "reward.extra={answer_tags: 0.2}",
         "logger=none",
         *extra,
     ]
@@ -96,7 +98,7 @@ def test_step_rewards_are_reasoning_gyms_scores_and_per_task_metrics(tiny, tmp_p
         score_answer = rg.create_dataset(row["task"], **json.loads(row["task_config"])).score_answer
         expected.append(score_answer(extract_answer(text), entry))
         tasks.append(row["task"])
-        # the recipe's format term: reward.extra={answer_tags: 0.2}
+        # the format term set above: reward.extra={answer_tags: 0.2}
         totals.append(expected[-1] + 0.2 * (extract_answer(text) is not None))
     assert batch.per_fn["reasoning_gym"].tolist() == pytest.approx(expected)
     assert batch.rewards.tolist() == pytest.approx(totals)
