@@ -80,7 +80,7 @@ docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir .site
 
 test: install-test lint docs
-	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q $(ARGS)
+	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=30 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .site
