@@ -17,7 +17,8 @@ DTYPES = (
     "float32",
     "bfloat16",
 )  # model.dtype (float16 would need loss scaling, which the learner does not do)
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo: x86 (AVX-512 BF16, AMX), aarch64 (FEAT_BF16)
+# /proc/cpuinfo flags of native bf16: x86 (AVX-512 BF16, AMX), aarch64 (FEAT_BF16)
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:

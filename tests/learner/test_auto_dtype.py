@@ -17,7 +17,14 @@ GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd atomics dcpop\n"
 
 @pytest.mark.parametrize(
     "text, native",
-    [(XEON_NO_BF16, False), (EPYC_BF16, True), (SAPPHIRE, True), (GRAVITON3, True), (GRAVITON2, False), ("", False)],
+    [
+        (XEON_NO_BF16, False),
+        (EPYC_BF16, True),
+        (SAPPHIRE, True),
+        (GRAVITON3, True),
+        (GRAVITON2, False),
+        ("", False),
+    ],
 )
 def test_cpu_bf16_flag_is_read_from_cpuinfo(text, native):
     assert strategy.cpu_has_bf16(text) is native

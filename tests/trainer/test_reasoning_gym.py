@@ -239,14 +239,19 @@ def test_lenient_reward_scores_the_tagged_answer_else_the_last_number():
     ds = rg.create_dataset("chain_sum", min_terms=2, max_terms=2, max_digits=1, size=4, seed=3)
     entry = ds[0]
     gold = entry["answer"]
-    row = {"question": entry["question"], "answer": gold, "task": "chain_sum",
-           "entry": json.dumps(entry), "task_config": json.dumps({"min_terms": 2, "max_terms": 2, "max_digits": 1})}
+    row = {
+        "question": entry["question"],
+        "answer": gold,
+        "task": "chain_sum",
+        "entry": json.dumps(entry),
+        "task_config": json.dumps({"min_terms": 2, "max_terms": 2, "max_digits": 1}),
+    }
     wrong = str(int(gold) + 1)
     texts = [
-        f"The sum is {gold}.",                            # prose, right last number
-        f"{wrong} is not it; the answer is {gold}",       # the last number counts
-        f"The answer is {gold}, not {wrong}.",            # ...even when wrong
-        f"<answer>{wrong}</answer> then {gold}",          # tags win over the last number
+        f"The sum is {gold}.",  # prose, right last number
+        f"{wrong} is not it; the answer is {gold}",  # the last number counts
+        f"The answer is {gold}, not {wrong}.",  # ...even when wrong
+        f"<answer>{wrong}</answer> then {gold}",  # tags win over the last number
         "no number here",
     ]
     lenient = [call_reward("reasoning_gym_lenient", [("p", t, gold, row)])[0][0] for t in texts]
