@@ -48,8 +48,9 @@ def test_recipe_overrides_group_choice():
     quick = load_config(_compose(["+recipe=quickstart"]))
     assert quick.model.path == "smollm2-135m" and quick.data.path == "arithmetic"
     # a bf16 engine, bf16 learner compute on fp32 master weights, rollout IS (docs/benchmarks.md)
-    assert quick.rollout.engine == "auto" and quick.model.dtype == "bfloat16"
-    assert quick.model.compute_dtype == "bfloat16" and quick.algo.rollout_is.enabled is True
+    # model.dtype=auto resolves by the CPU (tests/learner/test_auto_dtype.py): both to the same concrete dtype
+    assert quick.rollout.engine == "auto" and quick.model.dtype in ("bfloat16", "float32")
+    assert quick.model.compute_dtype == quick.model.dtype and quick.algo.rollout_is.enabled is True
     # fp32 as measured (its teacher need not exist to compose the recipe; load_config would check it)
     distill = _compose(["+recipe=distill_quickstart"])
     assert distill.model.dtype == distill.model.compute_dtype == "float32"
@@ -204,12 +205,12 @@ BAD = [
     ("trainer.strategy", "zero3", ["trainer.strategy='zero3' is not one of"]),
     ("model.path", "", ["model.path is missing"]),
     ("model.path", "/no/such/model", ["model.path='/no/such/model' does not exist"]),
-    ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['float32', 'bfloat16']"]),
-    ("model.dtype", "fp8", ["model.dtype='fp8' is not one of ['float32', 'bfloat16']"]),
+    ("model.dtype", "float16", ["model.dtype='float16' is not supported", "['auto', 'float32', 'bfloat16']"]),
+    ("model.dtype", "fp8", ["model.dtype='fp8' is not one of ['auto', 'float32', 'bfloat16']"]),
     (
         "model.compute_dtype",
         "float16",
-        ["model.compute_dtype='float16' is not one of ['float32', 'bfloat16']"],
+        ["model.compute_dtype='float16' is not one of ['auto', 'float32', 'bfloat16']"],
     ),
     ("model.gradient_checkpointing", "maybe", ["model.gradient_checkpointing", "maybe"]),
     ("model.lora.target_modules", [], ["model.lora.target_modules=[] must be a non-empty list"]),

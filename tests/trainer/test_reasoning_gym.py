@@ -44,7 +44,7 @@ def overrides(tiny, run_dir, *extra):
         "trainer.progress_bar=false",
         "reward.num_workers=1",
         "reward.fn=reasoning_gym",  # reasoning-gym's own contract (the recipe's is reasoning_gym_lenient)
-        "reward.extra={answer_tags: 0.2}",
+        "+reward.extra.answer_tags=0.2",
         "logger=none",
         *extra,
     ]
@@ -166,7 +166,7 @@ def test_tasks_as_a_list_or_a_mapping():
         ("chain_sum", 1.0, {}),
         ("leg_counting", 1.0, {}),
     ]
-    assert cfg.reward.fn == "reasoning_gym" and cfg.data.path == "reasoning_gym"
+    assert cfg.reward.fn == "reasoning_gym_lenient" and cfg.data.path == "reasoning_gym"
     cfg = load_config(
         compose(["+recipe=reasoning_gym", "data.tasks=[{chain_sum: {max_terms: 3, weight: 2}},lcm]"])
     )
