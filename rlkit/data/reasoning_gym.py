@@ -152,7 +152,8 @@ def _rows(specs, seed: int, size: int) -> list[dict]:
                 "question": entry["question"],
                 "answer": str(entry["answer"]),
                 "task": task,
-                "entry": json.dumps(entry),
+                # default=str: values JSON cannot hold (gsm_symbolic's metadata has Fractions) become strings
+                "entry": json.dumps(entry, default=str),
                 "task_config": configs[task],
             }
         )

@@ -262,3 +262,18 @@ def test_lenient_reward_scores_the_tagged_answer_else_the_last_number():
     assert strict == [0.0, 0.0, 0.0, 0.0, 0.0]  # no tags, no answer for reasoning-gym; tagged: wrong
     assert [extract_answer("reasoning_gym_lenient", t) for t in texts] == picked
     assert extract_answer("reasoning_gym", texts[3]) == wrong  # maj@k votes on the tagged answer
+
+
+def test_gsm_symbolic_rows_with_fractions_in_their_metadata_are_written_and_scored(tmp_path):
+    # gsm_symbolic's entries carry fractions.Fraction values in their metadata, which plain JSON refuses.
+    path = rg_data.generate(tmp_path / "gs", {"gsm_symbolic": {}}, num_train=4, num_eval=2)
+    rows = [json.loads(line) for line in open(path / "test.jsonl")]
+    assert rows and all(r["task"] == "gsm_symbolic" for r in rows)
+    row = rows[0]
+    entry = json.loads(row["entry"])
+    assert entry["answer"] == row["answer"]
+    right = f"<answer>{row['answer']}</answer>"
+    assert rg_data.score(right, "gsm_symbolic", row["entry"], row["task_config"]) == 1.0
+    wrong = rg_data.score("<answer>-12345</answer>", "gsm_symbolic", row["entry"], row["task_config"])
+    # reasoning-gym's own scorer on the entry it generated (gives a small credit for a well-formed number)
+    assert wrong == rg.create_dataset("gsm_symbolic", size=1).score_answer("-12345", entry) < 1.0
