@@ -242,9 +242,8 @@ class Trainer:
             advantages, returns, zero_std, loss_mask = self._advantages(
                 produced, mask, Scored(None, probe, None, None), None, token_metrics
             )
-            loss_mask = self._token_staleness(
-                rb, mask, loss_mask, token_metrics
-            )  # metrics only: no mask here
+            # 5b for its metrics: it masks no token here (the reuse is off with algo.max_token_staleness)
+            loss_mask = self._token_staleness(rb, mask, loss_mask, token_metrics)
         scores = ForwardScores(
             probe, rollout_logprobs=rollout_logp, is_cfg=a.rollout_is if a.rollout_is.enabled else None
         )
