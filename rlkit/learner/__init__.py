@@ -1,5 +1,6 @@
 """The learner: strategy (accelerate: FSDP2 / DDP / none), batching (micro-batches, packing), log-probs
-(chunked head), loss assembly, optimizer step, LoRA, the distillation teacher and checkpoint I/O; learner.py is the facade.
+(chunked head), loss assembly, optimizer step, LoRA, the distillation teacher and checkpoint I/O; learner.py is the facade;
+prepare.py holds a step's phases 3-5 (scoring, advantages, rollout correction), from a scored batch to the TrainBatch.
 
 It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the weights leave as an
 `rlkit.weights.Export`.
