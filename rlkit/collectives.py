@@ -4,14 +4,19 @@ Every collective waits at most `trainer.collective_timeout_s` (the process group
 `rlkit.learner.make_accelerator`). When one times out, `CollectiveWatch.explain` finds out which ranks stopped
 with a monitored barrier on a gloo group of its own (gloo's `monitored_barrier` names the ranks that did not
 arrive; the main group may be NCCL, or left in an undefined state by the failed collective), and every live
-rank ends with an error saying so. The launcher (rlkit's own, or torchrun) then ends the ranks that are left,
-and their reward workers die with them (rlkit.rewards).
+rank ends with an error saying so. Rank 0 ends a stopped rank that runs on its own machine (SIGKILL: a hung or
+SIGSTOPped process acts on nothing else); the launcher (rlkit's own, or torchrun) then ends the ranks that are
+left, and their reward workers die with them (rlkit.rewards). Without that kill, torch's launcher waits a fixed
+30 s after a failure before it SIGKILLs a stopped rank, whatever its `shutdown_timeout` says.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
+import socket
 import sys
 from datetime import timedelta
 
@@ -45,8 +50,11 @@ class CollectiveWatch:
     def __init__(self, world_size: int, timeout_s: float):
         self.timeout_s = timeout_s
         self.group = None
+        self.places: list[tuple[str, int]] = []  # (host name, pid) of every rank
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.places = [None] * world_size
+            dist.all_gather_object(self.places, (socket.gethostname(), os.getpid()), group=self.group)
 
     def explain(self, error: BaseException) -> CollectiveTimeout | None:
         """A CollectiveTimeout naming the stopped ranks when `error` is a collective timeout, else None."""
@@ -60,7 +68,7 @@ class CollectiveWatch:
             )
             who = "every rank responds again (one was slower than the timeout)"
         except RuntimeError as e:
-            who = stopped_ranks_message(str(e), rank)
+            who = stopped_ranks_message(str(e), rank) + self._end_local(stopped_ranks(str(e)))
         message = (
             f"rank {rank}: a collective waited longer than trainer.collective_timeout_s={self.timeout_s:g}s: {who}. "
             "Ending this rank; the launcher ends the others."
@@ -68,12 +76,30 @@ class CollectiveWatch:
         print(message, file=sys.stderr, flush=True)  # a launcher may report only another rank's error
         return CollectiveTimeout(message)
 
+    def _end_local(self, ranks: list[int]) -> str:
+        """SIGKILL the stopped `ranks` that run on this machine (rank 0 only: it hears from every rank);
+        returns what was done, for the message."""
+        host = socket.gethostname()
+        ended = []
+        for r in ranks:
+            if 0 < r < len(self.places) and self.places[r][0] == host:
+                try:
+                    os.kill(self.places[r][1], signal.SIGKILL)
+                    ended.append(f"rank {r} (pid {self.places[r][1]})")
+                except OSError:  # already gone
+                    pass
+        return f"; ended {', '.join(ended)} on this machine with SIGKILL" if ended else ""
+
+
+def stopped_ranks(barrier_error: str) -> list[int]:
+    """The ranks gloo's monitored_barrier error (on rank 0) lists as never arrived."""
+    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", barrier_error)
+    return [int(r) for r in re.findall(r"\d+", m.group(1))] if m else []
+
 
 def stopped_ranks_message(barrier_error: str, rank: int) -> str:
     """What gloo's monitored_barrier error says about the missing ranks, in plain words."""
-    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", barrier_error)
-    if m:  # rank 0 hears from everyone: the ranks listed never arrived
-        ranks = [int(r) for r in re.findall(r"\d+", m.group(1))]
+    if ranks := stopped_ranks(barrier_error):  # rank 0 hears from everyone: the ranks listed never arrived
         return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped responding"
     if rank != 0:  # other ranks only hear from rank 0
         return "rank 0 stopped responding (or reported another rank: see its message)"
