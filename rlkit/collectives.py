@@ -16,9 +16,9 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,11 +50,11 @@ class CollectiveWatch:
     def __init__(self, world_size: int, timeout_s: float):
         self.timeout_s = timeout_s
         self.group = None
-        self.places: list[tuple[str, int]] = []  # (host name, pid) of every rank
+        self.places: list = []  # process_place() of every rank
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             self.places = [None] * world_size
-            dist.all_gather_object(self.places, (socket.gethostname(), os.getpid()), group=self.group)
+            dist.all_gather_object(self.places, process_place(), group=self.group)
 
     def explain(self, error: BaseException) -> CollectiveTimeout | None:
         """A CollectiveTimeout naming the stopped ranks when `error` is a collective timeout, else None."""
@@ -77,18 +77,36 @@ class CollectiveWatch:
         return CollectiveTimeout(message)
 
     def _end_local(self, ranks: list[int]) -> str:
-        """SIGKILL the stopped `ranks` that run on this machine (rank 0 only: it hears from every rank);
-        returns what was done, for the message."""
-        host = socket.gethostname()
+        """SIGKILL the stopped `ranks` that run on this machine (rank 0 only: it hears from every rank):
+        only a process this one can name for certain (same kernel boot, same pid namespace, the pid's
+        start time unchanged), so never another machine's or a reused pid. Returns what was done, for the
+        message."""
         ended = []
         for r in ranks:
-            if 0 < r < len(self.places) and self.places[r][0] == host:
-                try:
-                    os.kill(self.places[r][1], signal.SIGKILL)
-                    ended.append(f"rank {r} (pid {self.places[r][1]})")
-                except OSError:  # already gone
-                    pass
+            place = self.places[r] if 0 < r < len(self.places) else None
+            here = process_place(place[2]) if place is not None else None
+            if place is None or here != place:
+                continue
+            try:
+                os.kill(place[2], signal.SIGKILL)
+                ended.append(f"rank {r} (pid {place[2]})")
+            except OSError:  # already gone
+                pass
         return f"; ended {', '.join(ended)} on this machine with SIGKILL" if ended else ""
+
+
+def process_place(pid: int | None = None) -> tuple[str, str, int, str] | None:
+    """(kernel boot id, pid namespace, pid, start time) of process `pid` (this one by default), which names
+    it uniquely across machines, containers and pid reuse; None where /proc does not tell (not Linux, or
+    the process is gone)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")  # the namespace `pid` is read in
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return boot, namespace, pid, start
 
 
 def stopped_ranks(barrier_error: str) -> list[int]:

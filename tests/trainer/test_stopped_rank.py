@@ -125,3 +125,34 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
     assert f"ended rank 1 (pid {victim})" in text, text[-5000:]
     assert elapsed < 2 * timeout_s + 20, elapsed
     assert left == [], left
+
+
+def test_rank_0_kills_only_a_process_it_names_for_certain():
+    """`_end_local` SIGKILLs a stopped rank only when boot id, pid namespace, pid and start time all match what
+    the rank reported at start-up: a changed start time (a reused pid) or another machine's boot id is left
+    alone."""
+    from rlkit.collectives import CollectiveWatch, process_place
+
+    def stopped_child():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        os.kill(child.pid, signal.SIGSTOP)
+        return child
+
+    watch = CollectiveWatch(1, 8)
+    children = [stopped_child() for _ in range(3)]
+    try:
+        places = [process_place(c.pid) for c in children]
+        assert all(p is not None and p[2] == c.pid for p, c in zip(places, children))
+        reused = (*places[1][:3], str(int(places[1][3]) + 1))  # same pid, another start time
+        elsewhere = ("another-boot", *places[2][1:])
+        watch.places = [process_place(), places[0], reused, elsewhere]
+        message = watch._end_local([1, 2, 3])
+        assert children[0].wait(timeout=10) == -signal.SIGKILL
+        assert message == f"; ended rank 1 (pid {children[0].pid}) on this machine with SIGKILL"
+        time.sleep(0.2)
+        assert children[1].poll() is None and children[2].poll() is None  # untouched
+        assert watch._end_local([0]) == ""  # never itself (rank 0)
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
