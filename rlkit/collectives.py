@@ -84,8 +84,7 @@ class CollectiveWatch:
         ended = []
         for r in ranks:
             place = self.places[r] if 0 < r < len(self.places) else None
-            here = process_place(place[2]) if place is not None else None
-            if place is None or here != place:
+            if place is None or process_place(place[2]) != place:
                 continue
             try:
                 os.kill(place[2], signal.SIGKILL)

@@ -44,8 +44,7 @@ from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
 from rlkit.flops import MEASURED, DevicePeak, batch_flops, device_peak
 from rlkit.learner import Learner
-from rlkit.learner.learner import LogProbs
-from rlkit.learner.prepare import Preparer, Scored, masked_mean
+from rlkit.learner.prepare import Preparer, Scored
 from rlkit.learner.reuse import ForwardScores, has_dropout, reusable
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
@@ -231,9 +230,7 @@ class Trainer:
             batch = prep.train_batch(rb, loss_mask, advantages, returns, None, None)
             update_metrics = self.learner.update(batch, scores=scores)
         with timers("correction"):
-            lp = LogProbs(logprobs=scores.logprobs[:scored], entropy=scores.entropy[:scored])
-            view = Scored(lp.logprobs, probe[:scored], lp, None)
-            token_metrics.add({"rollout/entropy": masked_mean(lp.entropy, view.probe)}, view.probe.sum())
+            view = prep.scored_by_update(scores, probe, scored, token_metrics)
             # The metrics over the whole batch; the weights it returns equal those the update used.
             prep.correction(rb, mask, loss_mask, view, token_metrics)
         return self._finish(produced, mask, zero_std, update_metrics, token_metrics, timers, step_start)

@@ -21,7 +21,7 @@ from rlkit.algos import advantages as adv
 from rlkit.algos import correction, distill, kl, staleness
 from rlkit.batch import RolloutBatch, ScoredBatch, Sequences, TrainBatch
 from rlkit.collectives import all_reduce
-from rlkit.learner.learner import Learner
+from rlkit.learner.learner import Learner, LogProbs
 from rlkit.metrics import MetricMerger
 
 
@@ -79,6 +79,14 @@ class Preparer:
             token_metrics.add({"rollout/kl": masked_mean(kl_tok, mask)}, mask.sum())
         token_metrics.add({"rollout/entropy": masked_mean(lp.entropy.to(self.device), probe)}, probe.sum())
         return Scored(logp, probe, lp, kl_tok)
+
+    def scored_by_update(self, scores, probe, scored: int, token_metrics: MetricMerger) -> Scored:
+        """Phase 3's view when the update's first forward scored the batch (rlkit/learner/reuse.py): the
+        log-probs and entropy it collected for the first `scored` rows, with the entropy metric `score` logs."""
+        lp = LogProbs(logprobs=scores.logprobs[:scored], entropy=scores.entropy[:scored])
+        view = Scored(lp.logprobs, probe[:scored], lp, None)
+        token_metrics.add({"rollout/entropy": masked_mean(lp.entropy, view.probe)}, view.probe.sum())
+        return view
 
     def teacher_logprobs(self, rb: RolloutBatch) -> torch.Tensor:
         """The distillation teacher's log-probs of the sampled tokens."""
