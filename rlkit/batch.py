@@ -1,7 +1,8 @@
 """The typed batches that cross module borders: RolloutBatch (an engine's output), ScoredBatch (the rollout
-half's output, with its policy version) and TrainBatch (the learner's input).
+half's output, with its policy version), Sequences (what a forward pass reads) and TrainBatch (the learner's
+input).
 
-Both are frozen dataclasses: a stage that wants to change a field builds a new batch with
+All four are frozen dataclasses: a stage that wants to change a field builds a new batch with
 `dataclasses.replace`, so a tensor that was logged is never modified behind the logger's back.
 
 Layout of one sample (row) in both batches::
@@ -44,8 +45,8 @@ def generation_stats(prompt_mask: Tensor, sequence_mask: Tensor, generated: Tens
     }
 
 
-def _check_rows(obj, n: int, t: int | None = None) -> None:
-    """Every tensor field has `n` rows; per-token fields ([N, T]) share T."""
+def _check_rows(obj, n: int) -> None:
+    """Every tensor field has `n` rows (RolloutBatch checks that its per-token fields share T on its own)."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if not isinstance(v, Tensor):

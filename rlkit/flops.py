@@ -186,3 +186,30 @@ class DevicePeak:
         self.flops = new
         self.source = f"raised at run time ({'measured again' if fresh else 'the achieved rate'})"
         return self.flops
+
+
+# The generation counters of a step's statistics (rlkit.metrics.step_statistics) that only the rates below read.
+GEN_COUNTERS = ("gen_tokens", "gen_seq_tokens", "gen_seq_tokens_sq")
+
+
+def step_rates(
+    metrics: dict[str, float], elapsed: float, *, shape: ModelShape, world: int, peak: DevicePeak
+) -> dict[str, float]:
+    """A step's throughput and MFU from its host metrics (the `GEN_COUNTERS`, `learner/flops`,
+    `learner/seconds`, `timing/generate_s`) and its wall time `elapsed`: `perf/tokens_per_s`,
+    `perf/gen_tokens_per_s`, `perf/gen_mfu`, `perf/learner_mfu`, and `timing/step_s`.
+
+    MFU is model FLOPs over the peak of every device for the phase's wall time (rates per device; a rate
+    above the peak means the peak was measured under load: `DevicePeak.covering` raises it)."""
+    tokens, seq, seq_sq = (metrics[k] for k in GEN_COUNTERS)
+    gen_s = max(metrics["timing/generate_s"], 1e-9)
+    gen_rate = batch_flops(shape, seq, seq_sq, training=False) / (gen_s * world)
+    learn_rate = metrics["learner/flops"] / (max(metrics["learner/seconds"], 1e-9) * world)
+    top = peak.covering(max(gen_rate, learn_rate))
+    return {
+        "timing/step_s": elapsed,
+        "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+        "perf/gen_tokens_per_s": tokens / gen_s,
+        "perf/gen_mfu": gen_rate / top,
+        "perf/learner_mfu": learn_rate / top,
+    }

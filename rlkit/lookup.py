@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 def lookup(spec: str, registry: dict[str, Callable], *, key: str, kind: str = "fn") -> Callable:
@@ -35,10 +38,11 @@ def lookup(spec: str, registry: dict[str, Callable], *, key: str, kind: str = "f
     return obj
 
 
-class Registry(dict):
-    """The one list of the names a config key can take, filled by the module that implements them.
+class Registry(dict[str, T], Generic[T]):
+    """The one list of the names a config key can take, filled by the module that implements them; `T` is the
+    type of what is registered (e.g. `Registry[AdvantageFn]`).
 
-        ESTIMATORS = Registry("algo.adv_estimator")
+        ESTIMATORS: Registry[AdvantageFn] = Registry("algo.adv_estimator")
 
         @ESTIMATORS.register("grpo", group_based=True)
         def _grpo(inputs, params): ...
@@ -52,10 +56,10 @@ class Registry(dict):
         self.key = key
         self._props: dict[str, dict] = {}
 
-    def register(self, name: str, **props):
+    def register(self, name: str, **props) -> Callable[[T], T]:
         """Decorator: register the decorated object under `name` with keyword properties."""
 
-        def add(obj):
+        def add(obj: T) -> T:
             if name in self:
                 raise ValueError(f"{self.key}: {name!r} is registered twice")
             self[name] = obj
@@ -80,6 +84,6 @@ class Registry(dict):
         if value not in self:
             raise ValueError(f"{self.key}={value!r} is not one of {list(self)}")
 
-    def get_checked(self, value):
+    def get_checked(self, value) -> T:
         self.check(value)
         return self[value]

@@ -1,19 +1,12 @@
-"""The training loop: one step = numbered phases, each inside a timer (`timing/<phase>_s`).
+"""The training loop: produce -> learn -> push -> report, each a call; checkpoint, resume, signals.
 
-    1 generate     engine.wake -> engine.generate (whole groups per rank) -> engine.sleep
-    2 reward       reward functions in worker processes (errors / timeouts count, never crash)
-                   (1-2 are the rollout half: `self.rollouts.produce`, in this process with
-                   trainer.mode=sync, in rollout worker processes with trainer.mode=async)
-    3 logprobs     learner.forward: current policy (mismatch metrics, IS, off-policy ratio),
-                   reference (KL), values (PPO); `teacher`: the distillation teacher's (algo.distill_coef).
-                   Skipped when the update's own first forward gives the same numbers (one optimizer step
-                   per batch and no other model: rlkit/learner/reuse.py); then 5's metrics follow 6.
-    4 advantages   the registered estimator of rlkit.algos.advantages (+ zero-std group masking),
-                   plus the distillation term of rlkit.algos.distill
-    5 correction   rlkit.algos.correction.rollout_is + mismatch metrics, per-token staleness
-                   (3-5 live in rlkit/learner/prepare.py, each called here inside its timer)
-    6 update       learner.update(TrainBatch)
-    7 weight push  self.rollouts.push(learner.export()) (+ the weight-sync check at the first steps)
+    1 generate     engine.generate (whole groups per rank)              } `self.rollouts.produce`: in this process
+    2 reward       reward functions in worker processes (errors /        } (rlkit/rollout/local.py, trainer.mode=sync)
+                   timeouts count, never crash), environments, refill    } or from rollout workers (rollout/remote/)
+    3-6 learn      log-probs, advantages, correction, update             `self.phases.learn` (rlkit/step.py: its
+                                                                         table gives both orders of the phases)
+    7 weight push  the learner's weights to the engine, verified         `self.sync.push` (rlkit/sync.py)
+      report       statistics, timings, throughput and MFU               `self.report` (rlkit/metrics.py, flops.py)
     8 eval         every trainer.eval_every steps and at the end (never masked)
     9 checkpoint   every trainer.save_every steps, at the end, and on SIGTERM / SIGINT
 
@@ -37,25 +30,24 @@ from pathlib import Path
 import torch
 
 from rlkit import rundir
-from rlkit.algos import distill
-from rlkit.batch import ScoredBatch
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.flops import MEASURED, DevicePeak, batch_flops, device_peak
+from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, device_peak, step_rates
 from rlkit.learner import Learner
-from rlkit.learner.prepare import Preparer, Scored
-from rlkit.learner.reuse import ForwardScores, has_dropout, reusable
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
-from rlkit.metrics import MetricMerger, step_statistics, to_host, without_absent_tasks
+from rlkit.metrics import to_host, without_absent_tasks
 from rlkit.models import load_tokenizer
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
+from rlkit.rollout.protocol import Rollouts
 from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.rollout.samples import eval_rows, train_rows
+from rlkit.step import StepPhases
+from rlkit.sync import WeightSync
 from rlkit.timing import Timers, peak_memory_gb
-from rlkit.weights import WeightSyncError, sync_kl_threshold
+from rlkit.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +93,12 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.learner = Learner(cfg, self.accelerator)
-        self.prepare = Preparer(cfg, self.learner, world=self.world)  # phases 3-5
-        self.distill = self.prepare.distill  # on-policy distillation (algo.distill_coef > 0)
-        # Phase 3 folded into the update's first forward (rlkit/learner/reuse.py), when nothing differs.
-        policy = self.learner.accelerator.unwrap_model(self.learner.model)
-        self.reuse_forward, why = reusable(cfg, dropout=has_dropout(policy))
+        self.phases = StepPhases(cfg, self.learner, world=self.world)  # phases 3-6 (rlkit/step.py)
         if self.rank == 0:
+            reused = self.phases.reuse_forward
             log.info(
                 "log-probs: %s",
-                "from the update's forward" if self.reuse_forward else f"a separate pass ({why})",
+                "from the update's forward" if reused else f"a separate pass ({self.phases.why_not_reused})",
             )
         self.device = self.learner.device
         # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
@@ -118,14 +107,8 @@ class Trainer:
         self.peak = DevicePeak(flops, source, self._remeasure_peak if source.startswith(MEASURED) else None)
         if self.is_main:
             log.info("peak of one device for MFU: %.1f TFLOP/s (%s)", flops / 1e12, source)
-        # The rollout half: colocated with this rank (sync), or in rollout worker processes (async).
-        if t.mode == "sync":
-            self.rollouts = LocalRollouts(
-                cfg, rank=self.rank, world=self.world, device=self.device, tokenizer=self.tokenizer,
-                reward_dtype=self.learner.compute_dtype,
-            )  # fmt: skip
-        else:
-            self.rollouts = AsyncRollouts(cfg, rank=self.rank, world=self.world, device=self.device)
+        self.rollouts = self._make_rollouts()  # phases 1-2
+        self.sync = WeightSync(cfg, self.rollouts, compute_dtype=self.learner.compute_dtype)  # phase 7
 
         self.step = 0
         self.wandb_id = None
@@ -167,115 +150,49 @@ class Trainer:
             raise error
         return lock, resume_from
 
+    def _make_rollouts(self) -> Rollouts:
+        """The rollout half: colocated with this rank (sync), or in rollout worker processes (async)."""
+        cfg = self.cfg
+        if cfg.trainer.mode == "sync":
+            return LocalRollouts(
+                cfg, rank=self.rank, world=self.world, device=self.device, tokenizer=self.tokenizer,
+                reward_dtype=self.learner.compute_dtype,
+            )  # fmt: skip
+        return AsyncRollouts(cfg, rank=self.rank, world=self.world, device=self.device)
+
     # -- the step ------------------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float]:
         """One step on this rank's share of the global batch; returns the global metrics (all ranks)."""
         timers = Timers()
         step_start = time.perf_counter()
-        # 1-2. generate and reward (+ environment turns, overlong shaping, dynamic sampling): in this
-        # process (rlkit/rollout/local.py) or from the rollout workers (rlkit/rollout/remote/).
+        # 1-2. generate and reward (+ environment turns, overlong shaping, dynamic sampling).
         produced = self.rollouts.produce(self.step, timers)
         if self.cfg.trainer.log_samples and self.is_main:  # logged with the step's metrics
             self._samples = train_rows(produced, self.tokenizer, self.cfg.trainer.log_samples, self.step + 1)
-        return self.learn(produced, timers, step_start)
-
-    def learn(self, produced: ScoredBatch, timers: Timers, step_start: float) -> dict[str, float]:
-        """Phases 3-7 on a `ScoredBatch` generated by the policy of step `produced.policy_version` (3-5:
-        rlkit/learner/prepare.py)."""
-        rb, prep = produced.rollout, self.prepare
-        mask = rb.response_mask.to(self.device).bool()
-        token_metrics = MetricMerger()
-        if self.reuse_forward:
-            return self._learn_reusing(produced, mask, token_metrics, timers, step_start)
-        with timers("logprobs"):
-            scored = prep.score(rb, mask, token_metrics)
-        teacher_logp = None
-        if self.distill:
-            with timers("teacher"):
-                teacher_logp = prep.teacher_logprobs(rb)
-        with timers("advantages"):
-            advantages, returns, zero_std, loss_mask = prep.advantages(
-                produced, mask, scored, teacher_logp, token_metrics
-            )
-        with timers("correction"):
-            is_weights, loss_mask = prep.correction(rb, mask, loss_mask, scored, token_metrics)
-            loss_mask = prep.token_staleness(rb, mask, loss_mask, self.step, token_metrics)
-        with timers("update"):
-            batch = prep.train_batch(rb, loss_mask, advantages, returns, is_weights, scored)
-            update_metrics = self.learner.update(batch)
-        return self._finish(produced, mask, zero_std, update_metrics, token_metrics, timers, step_start)
-
-    def _learn_reusing(
-        self, produced: ScoredBatch, mask, token_metrics: MetricMerger, timers: Timers, step_start
-    ):
-        """Phases 4, 6 and then 5 when the update's first forward scores the batch (rlkit/learner/reuse.py):
-        the IS weights come from inside the update, the metrics from the log-probs it collected."""
-        rb, a, prep = produced.rollout, self.cfg.algo, self.prepare
-        timers.add("logprobs", 0.0)  # phase 3 did not run (the key stays, for dashboards and comparisons)
-        n = rb.num_samples
-        scored = prep.scored_rows(n, whole=a.rollout_is.enabled)
-        probe = mask & (torch.arange(n, device=self.device) < scored)[:, None]
-        rollout_logp = rb.rollout_logprobs.to(self.device).float()
-        with timers("advantages"):
-            advantages, returns, zero_std, loss_mask = prep.advantages(
-                produced, mask, Scored(None, probe, None, None), None, token_metrics
-            )
-            # 5b for its metrics: it masks no token here (the reuse is off with algo.max_token_staleness)
-            loss_mask = prep.token_staleness(rb, mask, loss_mask, self.step, token_metrics)
-        scores = ForwardScores(
-            probe, rollout_logprobs=rollout_logp, is_cfg=a.rollout_is if a.rollout_is.enabled else None
-        )
-        with timers("update"):
-            batch = prep.train_batch(rb, loss_mask, advantages, returns, None, None)
-            update_metrics = self.learner.update(batch, scores=scores)
-        with timers("correction"):
-            view = prep.scored_by_update(scores, probe, scored, token_metrics)
-            # The metrics over the whole batch; the weights it returns equal those the update used.
-            prep.correction(rb, mask, loss_mask, view, token_metrics)
-        return self._finish(produced, mask, zero_std, update_metrics, token_metrics, timers, step_start)
-
-    def _finish(self, produced, mask, zero_std, update_metrics, token_metrics, timers, step_start) -> dict:
-        """7. the weight push, then the step's metrics."""
-        # 7. weight push (the rollout side evaluates the new weights when an eval is due)
+        # 3-6. log-probs, advantages, correction, update.
+        stats = self.phases.learn(produced, self.step, timers)
+        # 7. the weight push (an eval of the new version, when due, is requested with it: rlkit/sync.py).
         with timers("weight_push"):
-            version = self.step + 1
-            push_stats = self.rollouts.push(self.learner.export(), version, evaluate=self._eval_due(version))
-        # Policy versions between the weights that generated the batch and the ones it trains (async).
-        staleness = self.step - produced.policy_version
-        stats = step_statistics(
-            produced, mask, zero_std, staleness=staleness, world=self.world, device=self.device
-        )
-        stats.update(token_metrics.compute())
-        if self.distill:  # the share of the advantage's magnitude that comes from the teacher
-            stats["distill/teacher_share"] = distill.teacher_share(
-                stats["distill/adv_abs"], stats["distill/task_adv_abs"]
-            )
-        stats.update(update_metrics)
+            pushed = self.sync.push(self.learner.export())
+        return self.report(stats, pushed, timers, time.perf_counter() - step_start)
+
+    def report(
+        self, stats: dict, pushed: dict[str, float], timers: Timers, elapsed: float
+    ) -> dict[str, float]:
+        """The step's logged metrics: its statistics on the host, the phases' timings, throughput and MFU
+        (rlkit/flops.py), the push's."""
         metrics = without_absent_tasks(to_host(stats))
-        tokens = metrics.pop("gen_tokens")
-        seq, seq_sq = metrics.pop("gen_seq_tokens"), metrics.pop("gen_seq_tokens_sq")
         metrics.update(timers.seconds)
-        elapsed = time.perf_counter() - step_start
-        gen_s = max(timers.seconds["timing/generate_s"], 1e-9)
-        metrics["timing/step_s"] = elapsed
-        metrics["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-        metrics["perf/gen_tokens_per_s"] = tokens / gen_s
-        # MFU: model FLOPs (rlkit/flops.py) over the peak of every device for the phase's wall time.
-        # (rates per device; a rate above the peak means the peak was measured under load: it is raised)
-        gen_rate = batch_flops(self.learner.shape, seq, seq_sq, training=False) / (gen_s * self.world)
-        learn_rate = metrics["learner/flops"] / (max(metrics["learner/seconds"], 1e-9) * self.world)
-        peak = self.peak.covering(max(gen_rate, learn_rate))
-        metrics["perf/gen_mfu"] = gen_rate / peak
-        metrics["perf/learner_mfu"] = learn_rate / peak
-        metrics["perf/weight_push_gb"] = float(push_stats.get("bytes", 0)) / 1e9
-        if "verify_seconds" in push_stats:
-            metrics["timing/verify_push_s"] = push_stats["verify_seconds"]
-        for part in ("export", "cast", "load", "transfer"):  # the push's parts (rlkit.weights.push_weights)
-            if f"{part}_seconds" in push_stats:
-                metrics[f"timing/push_{part}_s"] = push_stats[f"{part}_seconds"]
+        metrics.update(
+            step_rates(metrics, elapsed, shape=self.learner.shape, world=self.world, peak=self.peak)
+        )
+        for key in GEN_COUNTERS:  # read by the rates only
+            del metrics[key]
+        metrics.update(pushed)
         metrics["perf/peak_memory_gb"] = peak_memory_gb()
         if self.cfg.trainer.mode == "async":  # the drift statistics of this batch's staleness
+            staleness = int(metrics["staleness/max"])
             for key in ("mismatch/kl", "rollout_is/mean", "rollout_is/eff_sample_size"):
                 if key in metrics:
                     metrics[f"{key}/staleness_{staleness}"] = metrics[key]
@@ -286,23 +203,7 @@ class Trainer:
         fresh = device_peak(self.device, self.learner.compute_dtype)[0] if self.is_main else None
         return broadcast_object(fresh, self.world)
 
-    def _check_weight_sync(self, metrics: dict[str, float], *, after_push: bool) -> None:
-        value = metrics.get("mismatch/kl")
-        bf16 = self.learner.compute_dtype == torch.bfloat16 or self.cfg.model.dtype == "bfloat16"
-        threshold = sync_kl_threshold(self.cfg.rollout.weight_sync_kl_threshold, bf16=bf16)
-        if value is not None and abs(value) > threshold:
-            when = "right after the first weight push" if after_push else "before training (step 0)"
-            raise WeightSyncError(
-                f"mismatch/kl={value:.4g} {when} exceeds rollout.weight_sync_kl_threshold ({threshold}): the rollout "
-                f"engine's weights differ from the learner's (engine={self.rollouts.engine_name}). The weight push is not "
-                "reaching the engine, or the two load different models/dtypes."
-            )
-
     # -- eval ----------------------------------------------------------------------------------
-
-    def _eval_due(self, step: int) -> bool:
-        t = self.cfg.trainer
-        return bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
 
     def evaluate(self) -> dict[str, float]:
         """pass@k, maj@k, reward of the current weights on the held-out split (rlkit/rollout/evaluation.py)."""
@@ -319,7 +220,7 @@ class Trainer:
         `checksums.json`, rlkit.rundir). Never from non-finite weights; on any failure (a full disk: "no
         space left") the temporary directory is removed and the previous checkpoint is left as it was."""
         tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
-        self.learner.check_finite(f"step {self.step}: checkpoint {final}", self.run_dir)
+        self.learner.refuse_nonfinite_checkpoint(f"step {self.step}: checkpoint {final}", self.run_dir)
         no_room = rundir.no_room_for(final) if self.is_main else None
         if (no_room := broadcast_object(no_room, self.world)) is not None:  # every rank stops alike
             raise rundir.CheckpointError(no_room)
@@ -391,7 +292,7 @@ class Trainer:
         step-0 evaluation the run is judged against."""
         t = self.cfg.trainer
         baseline = t.eval_at_start and self.step == 0
-        self.rollouts.start(self.learner.export(), self.step, evaluate=baseline)
+        self.sync.start(self.learner.export(), self.step, evaluate=baseline)
         if baseline:
             timers = Timers()
             with timers("eval"):
@@ -402,17 +303,14 @@ class Trainer:
 
     def _run(self, bar, history: list) -> None:
         t = self.cfg.trainer
-        first_step = self.step
         checkpoint_timing = {}
         self._baseline()
         while self.step < t.steps:
             metrics = self.train_step()
-            # A stale batch (async) was generated by older weights: its mismatch is policy change.
-            if metrics["staleness/max"] == 0 and self.step in (first_step, first_step + 1):
-                self._check_weight_sync(metrics, after_push=self.step > 0)
+            self.sync.check_first_batches(metrics, self.step)
             self.step += 1
             timers = Timers()
-            if self._eval_due(self.step):
+            if self.sync.eval_due(self.step):
                 with timers("eval"):
                     metrics.update(self.evaluate())
             stop = self._should_stop()
@@ -427,7 +325,7 @@ class Trainer:
                 self.logger.log_samples(self._samples, self.step, "train")
             self._samples = []
             # Before the checkpoint: the last one written stays the last good one.
-            self.learner.check_nonfinite(self.step, metrics)
+            self.learner.stop_after_nonfinite_steps(self.step, metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                 bar.update(1)

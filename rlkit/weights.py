@@ -93,24 +93,6 @@ class WeightSyncError(RuntimeError):
     """The rollout engine's weights differ from the learner's (the weight push did not happen, or not whole)."""
 
 
-SYNC_KL_FP32 = 0.05
-"""rollout.weight_sync_kl_threshold when it is null and the learner and the engine both compute in fp32
-(their log-probs then agree to about 1e-5: docs/reference/metrics.md)."""
-SYNC_KL_BF16 = 0.15
-"""... with bf16 anywhere (learner compute or model.dtype): bf16 rounding alone moved |mismatch/kl| on the
-quickstart's 4 re-scored samples up to 0.036 at 2026-11-24's measurement (docs/benchmarks.md, "fp32 or bf16
-compute"), while an engine holding another checkpoint (the quickstart's step 25 against its start) differs
-by a KL of 0.27-0.51 per token."""
-
-
-def sync_kl_threshold(configured: float | None, *, bf16: bool) -> float:
-    """The |mismatch/kl| above which step 0 or the first push is a WeightSyncError: the configured value,
-    else the default for the precision the log-probs are computed at."""
-    if configured is not None:
-        return float(configured)
-    return SYNC_KL_BF16 if bf16 else SYNC_KL_FP32
-
-
 class WeightManifestError(ValueError):
     """The learner's weights and the engine's do not have the same names and shapes."""
 

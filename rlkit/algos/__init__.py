@@ -2,7 +2,7 @@
 
     from rlkit.algos import advantages, kl, losses, correction, distill, evaluation
 
-See docs/math.md for a guide to the estimators and when to pick each.
+See docs/concepts/math.md for a guide to the estimators and when to pick each.
 """
 
 from rlkit.algos import advantages, correction, distill, evaluation, kl, losses

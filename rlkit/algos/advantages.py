@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -286,7 +287,8 @@ class AdvantageInputs:
 #   group_based   the advantage compares the samples of a group (dynamic sampling filters groups for it)
 #   token_level   it takes token rewards (so the KL can go into the reward: algo.kl_in_reward)
 #   needs_critic  it needs a value model (algo.value_model=true)
-ESTIMATORS = Registry("algo.adv_estimator")
+AdvantageFn = Callable[[AdvantageInputs, Any], tuple[Tensor, Optional[Tensor]]]
+ESTIMATORS: Registry[AdvantageFn] = Registry("algo.adv_estimator")
 
 
 @ESTIMATORS.register("grpo", group_based=True, token_level=False, needs_critic=False)

@@ -17,6 +17,9 @@ Inputs may be float32, bfloat16 or float64; the math runs in float32 (float64 fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -107,6 +110,10 @@ def ppo_clip(
     `dual_clip=c > 1` (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729) caps
     tokens with A < 0 at `-A c`, so a huge ratio on a bad token cannot blow up the loss.
     d loss / d logp = -A r where the clip is inactive, exactly 0 where a clip (or the +-20 clamp) is active.
+    When `old_logp` is `logp.detach()` (one optimizer step per batch, rlkit's default: algo.ppo_epochs =
+    algo.mini_batches = 1), r = 1 exactly and no clip ever acts: the gradient is -A d logp, REINFORCE with the
+    estimator's baseline (GRPO: the group mean); the clip matters with several optimizer steps per batch, and
+    the train/rollout drift is corrected by rollout IS weights (rlkit.algos.correction), not by this ratio.
 
     Args:
         logp: [N, T] current log-probs (with grad); old_logp: [N, T] log-probs of the behaviour policy;
@@ -302,7 +309,8 @@ def aggregate(
 # -- the registry of policy losses (algo.policy_loss) ------------------------------------------------------
 # Each entry is called as fn(logp, old_logp, advantages, mask, params) with `params` the algo config
 # (clip_low, clip_high, dual_clip, ...) and returns (per_token_loss [N, T], metrics).
-POLICY_LOSSES = Registry("algo.policy_loss")
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, Any], tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("algo.policy_loss")
 
 
 @POLICY_LOSSES.register("ppo_clip")

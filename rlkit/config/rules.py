@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlkit.algos import advantages, correction, kl, losses
+from rlkit.config.derived import derive
 from rlkit.config.schema import ConfigError, RLConfig
 from rlkit.logging import BACKENDS
 
@@ -332,7 +333,7 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
         )
     if len(t.betas) != 2 or any(b is None or not 0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={list(t.betas)!r} must be two values in [0, 1), e.g. [0.9, 0.999]")
-    optimizer_steps = t.steps * a.ppo_epochs * a.mini_batches
+    optimizer_steps = derive(cfg).optimizer_steps
     if t.warmup_steps > optimizer_steps:
         raise ConfigError(
             f"trainer.warmup_steps={t.warmup_steps} exceeds the run's {optimizer_steps} optimizer steps "

@@ -1,4 +1,8 @@
-"""The learner: scores rollouts and updates the policy (a thin facade over this package's modules).
+"""The learner: the policy (and reference, teacher, critic), its forward passes, the update, the export.
+
+It takes per-token tensors and knows no groups or rewards (those are rlkit/step.py's). Batching, the loss,
+the optimizer, LoRA and checkpoint I/O are this package's other modules; this one holds the models and
+calls them.
 
 One `update(batch)` call, top to bottom:
 
@@ -40,6 +44,7 @@ from torch import Tensor
 
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
+from rlkit.config.derived import derive
 from rlkit.flops import ModelShape, sequence_flops
 from rlkit.learner import checkpoint, compiled, optim, teacher
 from rlkit.learner.batching import (
@@ -52,7 +57,7 @@ from rlkit.learner.batching import (
 )
 from rlkit.learner.logprobs import critic_values, score
 from rlkit.learner.lora import add_adapters, base_manifest, merged_weights
-from rlkit.learner.loss import micro_loss
+from rlkit.learner.loss import MicroInputs, micro_loss
 from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
@@ -112,10 +117,7 @@ class Learner:
 
         a, t, m = cfg.algo, cfg.trainer, cfg.model
         self.cfg, self.algo = cfg, a
-        self.total_steps = t.steps * a.ppo_epochs * a.mini_batches  # optimizer steps of the run
-        self.off_policy = a.ppo_epochs * a.mini_batches > 1  # later steps are off-policy against the sampler
-        self.kl_coef = 0.0 if a.kl_in_reward else a.kl_coef  # the KL loss term's coefficient
-        self.norm_len = a.norm_len if a.norm_len is not None else cfg.rollout.max_new_tokens
+        self.derived = d = derive(cfg)  # optimizer steps, off-policy or not, KL loss coefficient, ...
         self.max_grad_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
         self.accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
         set_seed(t.seed)
@@ -147,14 +149,14 @@ class Learner:
         self.model, self.optimizer = acc.prepare(policy, optim.adamw(policy, t))
         if t.compile:
             compiled.compile_policy(acc.unwrap_model(self.model), t.compile_backend)
-        self.scheduler = optim.scheduler(self.optimizer, t, self.total_steps)
+        self.scheduler = optim.scheduler(self.optimizer, t, d.optimizer_steps)
         self.value_model = self.value_optimizer = self.value_scheduler = None
         if a.value_model:
             critic = _load_value_model(m.path)
             if m.gradient_checkpointing:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.value_model, self.value_optimizer = acc.prepare(critic, optim.adamw(critic, t))
-            self.value_scheduler = optim.scheduler(self.value_optimizer, t, self.total_steps)
+            self.value_scheduler = optim.scheduler(self.value_optimizer, t, d.optimizer_steps)
         self.global_step = 0
         self.nonfinite_run = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
         self.manifest = self._manifest()
@@ -250,7 +252,7 @@ class Learner:
         """Raise if the configured loss needs a field the batch lacks (called before any collective)."""
         a = self.algo
         needs = [
-            ("ref_logprobs", self.kl_coef > 0, f"algo.kl_coef={a.kl_coef} > 0"),
+            ("ref_logprobs", self.derived.kl_loss_coef > 0, f"algo.kl_coef={a.kl_coef} > 0"),
             ("rollout_logprobs", a.rollout_kl_coef > 0, f"algo.rollout_kl_coef={a.rollout_kl_coef} > 0"),
             ("values", a.value_model, "algo.value_model=true (value clipping)"),
             ("returns", a.value_model, "algo.value_model=true (value targets)"),
@@ -270,7 +272,7 @@ class Learner:
         t = self.cfg.trainer
         return plan_minibatches(
             batch, mini_batches, max_tokens=t.max_tokens_per_microbatch, packed=t.pack_sequences,
-            agg_mode=self.algo.loss_agg_mode, norm_len=self.norm_len, world=self.world_size, device=self.device,
+            agg_mode=self.algo.loss_agg_mode, norm_len=self.derived.norm_len, world=self.world_size, device=self.device,
         )  # fmt: skip
 
     def update(self, batch: TrainBatch, *, scores: ForwardScores | None = None) -> dict[str, Tensor]:
@@ -284,7 +286,7 @@ class Learner:
         self.check_batch(batch)
         self._score_untrained(batch, scores)
         start = time.perf_counter()
-        if self.off_policy and batch.old_logprobs is None:
+        if self.derived.off_policy and batch.old_logprobs is None:
             # The behaviour policy is the one before the first step; later steps are off-policy against it.
             old = self.forward(batch).logprobs.to(batch.response_ids.device)
             batch = dataclasses.replace(batch, old_logprobs=old)
@@ -356,7 +358,7 @@ class Learner:
         the update never runs. Every rank calls the forward, with or without such rows."""
         if scores is None:
             return
-        if self.off_policy:
+        if self.derived.off_policy:
             raise ValueError(
                 "update(scores=...) needs an on-policy update (algo.ppo_epochs * mini_batches == 1)"
             )
@@ -408,16 +410,19 @@ class Learner:
         logp, entropy = self._scores(self.model, m, entropy=True, entropy_grad=self.algo.entropy_coef > 0)
         is_weights = scores.take(m.rows, logp, entropy) if scores is not None else None
 
-        def tok(name: str) -> Tensor | None:
-            if name == "is_weights" and is_weights is not None:
-                return is_weights
+        def field(name: str) -> Tensor | None:
             v = getattr(m.batch, name)
             return None if v is None else v[:, :t].to(self.device)
 
-        values = self._values(m) if self.value_model is not None else None
-        return micro_loss(
-            self.algo, self.kl_coef, tok, tok("response_mask").bool(), mb, logp, entropy, values
-        )
+        inputs = MicroInputs(
+            logprobs=logp, entropy=entropy, mask=field("response_mask").bool(), advantages=field("advantages"),
+            old_logprobs=field("old_logprobs"), ref_logprobs=field("ref_logprobs"),
+            rollout_logprobs=field("rollout_logprobs"),
+            is_weights=is_weights if is_weights is not None else field("is_weights"),
+            values=self._values(m) if self.value_model is not None else None, old_values=field("values"),
+            returns=field("returns"),
+        )  # fmt: skip
+        return micro_loss(self.algo, self.derived.kl_loss_coef, inputs, mb)
 
     def _optimizer_step(self, finite_loss: Tensor) -> dict[str, Tensor]:
         """Clip, step, schedule and zero the grads of the policy (and critic); returns grad norms, lr and
@@ -477,7 +482,7 @@ class Learner:
         bad = all_reduce(bad, self.world_size, op=dist.ReduceOp.MAX).tolist()
         return [name for (name, _), b in zip(named, bad) if b]
 
-    def check_finite(self, what: str, run_dir: str | Path) -> None:
+    def refuse_nonfinite_checkpoint(self, what: str, run_dir: str | Path) -> None:
         """Refuse (`CheckpointError`) to write `what` from weights holding NaN or inf."""
         bad = self.nonfinite_parameters()
         if bad:
@@ -487,7 +492,7 @@ class Learner:
                 "is kept. Resume from it with a lower trainer.lr."
             )
 
-    def check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+    def stop_after_nonfinite_steps(self, step: int, metrics: dict[str, float]) -> None:
         """Stop the run (`NonFiniteError`) after `trainer.max_nonfinite_steps` skipped steps in a row."""
         teacher_path = self.algo.teacher.path if self.teacher is not None else None
         optim.check_nonfinite_run(self.nonfinite_run, step, metrics, self.cfg.trainer, teacher=teacher_path)

@@ -7,7 +7,7 @@ vocabulary) plus its softmax, and keeps them for backward. Here the LM head runs
 positions at a time, and the backward pass recomputes each chunk's logits instead of storing them,
 so the extra memory is O(chunk x V) whatever the number of positions.
 
-The distribution scored is the one the rollout engines sample from (docs/math.md, "Top-p and
+The distribution scored is the one the rollout engines sample from (docs/concepts/math.md, "Top-p and
 top-k"): `softmax(logits / temperature)`, truncated by top-k then top-p exactly as transformers'
 warpers and vLLM do, renormalised over the kept tokens; the target token always counts as kept,
 so a token the engine sampled never gets log-prob -inf here.

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from rlkit.algos import correction
+from rlkit.config.derived import derive
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
@@ -40,13 +41,13 @@ def has_dropout(model: torch.nn.Module) -> bool:
 def reusable(cfg, *, dropout: bool) -> tuple[bool, str]:
     """(whether the update's forward can replace the scoring pass, why not). `dropout`: the policy's forward
     differs between training and evaluation mode (then the update's log-probs are not the scoring pass's)."""
-    a, c = cfg.algo, cfg.algo.rollout_is
+    a, c, d = cfg.algo, cfg.algo.rollout_is, derive(cfg)
     reasons = [
         (not cfg.trainer.reuse_update_forward, "trainer.reuse_update_forward=false"),
-        (a.ppo_epochs * a.mini_batches > 1, "more than one optimizer step per batch (off-policy)"),
-        (a.kl_coef > 0, "a reference model (algo.kl_coef > 0)"),
+        (d.off_policy, "more than one optimizer step per batch (off-policy)"),
+        (d.needs_reference, "a reference model (algo.kl_coef > 0)"),
         (a.value_model, "a critic (algo.value_model)"),
-        (a.distill_coef > 0, "a distillation teacher"),
+        (d.has_teacher, "a distillation teacher"),
         (bool(c.enabled) and c.mode != "truncate", f"IS rejection (algo.rollout_is.mode={c.mode})"),
         (bool(c.enabled) and (c.veto_lower is not None or c.veto_upper is not None), "the IS veto"),
         (dropout, "dropout in the policy"),

@@ -1,14 +1,9 @@
 """The rollout half of training in this process: prompts, engine, rewards, producer and eval.
 
 `trainer.mode=sync` uses one `LocalRollouts` per training rank (the engine colocated with the learner);
-`trainer.mode=async` runs one inside each rollout worker process (rlkit/rollout/remote/). Both
-trainers talk to it through the same calls:
-
-    start(export, step, evaluate)    the run begins (or resumes) at `step`
-    produce(step, timers)            -> ScoredBatch (rlkit/rollout/producer.py)
-    push(export, version, evaluate)  the learner's new weights (an rlkit.weights.Export) reach the engine
-    evaluate(version)                -> {"eval/pass@1": ...} of the engine's weights `version`
-    checkpoint(directory) / load_checkpoint(directory, state)
+`trainer.mode=async` runs one inside each rollout worker process (rlkit/rollout/remote/). It implements the
+`Rollouts` protocol (rlkit/rollout/protocol.py) that the trainer and `rlkit.sync.WeightSync` call; the
+producer (rlkit/rollout/producer.py) makes the batches, rlkit/rollout/evaluation.py the evaluations.
 """
 
 from __future__ import annotations
@@ -97,6 +92,7 @@ class LocalRollouts:
         return self.producer.produce(step, timers)
 
     def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
+        """Push and verify; `evaluate` is for the async workers (this engine evaluates when asked)."""
         # Cast here (a bf16 engine gets bf16: half the bytes, and vLLM warns for every tensor it must cast).
         stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype)
         self.engine.set_version(version)  # labels the tokens it samples from now on

@@ -28,7 +28,7 @@ def _update(learner, seed=0):
     batch = make_batch(all_fields=False, seed=seed)
     g = torch.Generator().manual_seed(seed)
     fields = {**batch.tensor_fields(), "advantages": torch.randn(batch.advantages.shape, generator=g)}
-    if learner.kl_coef > 0:  # the KL loss term, against the reference (here: adapters off)
+    if learner.derived.kl_loss_coef > 0:  # the KL loss term, against the reference (here: adapters off)
         fields["ref_logprobs"] = learner.forward(batch, policy=False, ref=True).ref_logprobs
     return learner.update(type(batch)(**fields))
 

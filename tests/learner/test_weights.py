@@ -129,7 +129,7 @@ def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
 
 
 def test_weight_sync_threshold_defaults_by_precision_and_a_configured_value_wins():
-    from rlkit.weights import sync_kl_threshold
+    from rlkit.sync import sync_kl_threshold
 
     # bf16 rounding alone reached |mismatch/kl| 0.036 on the quickstart (docs/benchmarks.md): 0.05 would stop
     # a sound bf16 run by chance; fp32 agrees to ~1e-5, so it keeps the tighter check.

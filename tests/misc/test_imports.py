@@ -1,11 +1,12 @@
-"""The layered layout of ../shared/DESIGN.md, read from every `import` of rlkit/ (nothing is imported).
+"""The layered layout of rlkit (the table below, also in docs/concepts/training-step.md), read from every `import` of
+rlkit/ (nothing is imported).
 
-    0 leaves     batch, algos, config/schema, weights, rundir, collectives, timing, metrics, logging, plots,
-                 models, lookup
+    0 leaves     batch, algos, config/schema, config/derived, weights, rundir, collectives, timing, metrics,
+                 logging, plots, models, lookup, flops
     1 inputs     config/rules, data, rewards, envs
     2 machines   learner/, rollout/engines/
-    3 rollout    rollout/ (episodes, producer, local, scored, remote/)
-    4 loop       trainer
+    3 rollout    rollout/ (protocol, episodes, producer, local, scored, remote/)
+    4 loop       step, sync, trainer (trainer -> step, sync sideways)
     5 entry      train, eval
 
 An import points to the same or a lower layer; there is no circle; learner/ and rollout/ never import each
@@ -25,7 +26,8 @@ import pytest
 REPO = Path(os.environ.get("RLKIT_IMPORTS_ROOT", Path(__file__).resolve().parents[2]))
 PACKAGE = REPO / "rlkit"
 LEAVES = {
-    "rlkit", "rlkit.batch", "rlkit.algos", "rlkit.config", "rlkit.config.schema", "rlkit.weights", "rlkit.rundir",
+    "rlkit", "rlkit.batch", "rlkit.algos", "rlkit.config", "rlkit.config.schema", "rlkit.config.derived",
+    "rlkit.weights", "rlkit.rundir",
     "rlkit.collectives", "rlkit.timing", "rlkit.metrics", "rlkit.logging", "rlkit.plots", "rlkit.models",
     "rlkit.lookup", "rlkit.flops",
 }  # fmt: skip
@@ -48,7 +50,7 @@ HEAVY = {
 def layer(module: str) -> int:
     if module in ("rlkit.train", "rlkit.eval"):
         return 5
-    if module == "rlkit.trainer":
+    if module in ("rlkit.trainer", "rlkit.step", "rlkit.sync"):
         return 4
     if module.startswith(("rlkit.learner", "rlkit.rollout.engines")):
         return 2
@@ -58,7 +60,9 @@ def layer(module: str) -> int:
         return 1
     if module in LEAVES or module.startswith("rlkit.algos."):
         return 0
-    raise AssertionError(f"{module} has no layer: add it to the table of DESIGN.md and of this test")
+    raise AssertionError(
+        f"{module} has no layer: add it to the table of docs/concepts/training-step.md and of this test"
+    )
 
 
 def module_name(path: Path) -> str:

@@ -11,8 +11,8 @@ from rlkit.algos import advantages as adv
 from rlkit.config.schema import ConfigError
 from rlkit.learner import Learner
 from rlkit.models import load_causal_lm, make_tiny_checkpoint
+from rlkit.step import StepPhases
 from rlkit.train import compose, load_config
-from rlkit.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _hand_logprobs(model, rb) -> torch.Tensor:
 
 def _spy(monkeypatch):
     seen = {"produced": [], "batches": []}
-    learn, update = Trainer.learn, Learner.update
+    learn, update = StepPhases.learn, Learner.update
 
     def spy_learn(self, produced, *a, **k):
         seen["produced"].append(produced)
@@ -51,7 +51,7 @@ def _spy(monkeypatch):
         seen["batches"].append(batch)
         return update(self, batch)
 
-    monkeypatch.setattr(Trainer, "learn", spy_learn)
+    monkeypatch.setattr(StepPhases, "learn", spy_learn)
     monkeypatch.setattr(Learner, "update", spy_update)
     return seen
 

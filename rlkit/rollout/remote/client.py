@@ -85,7 +85,7 @@ EXIT_WAIT_S = 3.0  # how long a failed collective waits for a worker's exit code
 
 
 class AsyncRollouts:
-    """The learner's side of async mode; the trainer calls it as it calls `LocalRollouts`."""
+    """The learner's side of async mode: the `Rollouts` protocol (rlkit/rollout/protocol.py), as `LocalRollouts`."""
 
     def __init__(self, cfg, *, rank: int, world: int, device):
         t = cfg.trainer

@@ -1,0 +1,291 @@
+"""The learn half of one training step: phases 3-6, from the `ScoredBatch` the rollout side produced to the
+learner's update. `Trainer.train_step` is produce (1-2, rlkit/rollout/) -> `StepPhases.learn` (3-6, here) ->
+push (7, rlkit/sync.py) -> report (rlkit/metrics.py, rlkit/flops.py).
+
+    phase          separate scoring pass                          the update's forward scores (learner/reuse.py)
+    3 logprobs     learner.forward: policy, reference, critic     not run (0 s): the update's first forward scores
+    3b teacher     the distillation teacher's log-probs           not run (no reuse with a teacher)
+    4 advantages   the estimator (+ distillation), the loss mask  the same
+    5 correction   mismatch metrics, rollout IS weights,          the same from the log-probs the update collected,
+                   per-token staleness (+ its mask)               metrics only: the update made the IS weights
+    6 update       learner.update(TrainBatch)                     learner.update(TrainBatch, scores=ForwardScores)
+
+    order          3, 3b, 4, 5, 6                                 4, 6, 5
+
+The reused forward runs when one optimizer step trains the batch and nothing else needs a forward of its own
+(`rlkit.learner.reuse.reusable` lists the conditions); its IS weights are per row, so the update computes them
+micro-batch by micro-batch, and phase 5 after it only measures. Each phase is one method, timed by `learn`
+under `timing/<phase>_s`; every token statistic goes into the step's `MetricMerger`, weighted by its token
+count. The learner takes per-token tensors and knows no groups or rewards: those are this module's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlkit.algos import advantages as adv
+from rlkit.algos import correction, distill, kl, staleness
+from rlkit.batch import RolloutBatch, ScoredBatch, Sequences, TrainBatch
+from rlkit.collectives import all_reduce
+from rlkit.config.derived import derive
+from rlkit.learner import Learner
+from rlkit.learner.reuse import ForwardScores, has_dropout, reusable
+from rlkit.metrics import MetricMerger, step_statistics
+from rlkit.timing import Timers
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Phase 3: the models' view of the batch before the update (one rank's rows)."""
+
+    logprobs: Tensor
+    """[n, T] float32: the current policy's log-probs of the batch's first n rows (every row when the update
+    needs them: `Derived.score_every_row`; else `rollout.mismatch_samples` rows for the mismatch metrics)."""
+    scored_mask: Tensor
+    """[n, T] bool: the tokens whose log-probs were computed."""
+    entropy: Tensor
+    """[n, T] float32: the policy's entropy at those tokens."""
+    ref_logprobs: Tensor | None = None
+    """[N, T] the frozen reference's log-probs (algo.kl_coef > 0), else None."""
+    kl_to_ref: Tensor | None = None
+    """[N, T] the per-token KL estimate to the reference (algo.kl_estimator), else None."""
+    values: Tensor | None = None
+    """[N, T] the critic's values (algo.value_model), else None."""
+    teacher_logprobs: Tensor | None = None
+    """[N, T] the distillation teacher's log-probs (phase 3b, algo.distill_coef > 0), else None."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Phases 3-5's hand-off to the update (one rank's rows)."""
+
+    advantages: Tensor
+    """[N, T] float32, from the registered estimator (plus the distillation term)."""
+    returns: Tensor | None
+    """[N, T] value targets (estimators with a critic), else None."""
+    zero_std: Tensor
+    """[N] bool: rows of groups of two or more whose rewards are all equal."""
+    loss_mask: Tensor
+    """[N, T] bool: the tokens that train: the response mask without zero-std groups (algo.mask_zero_std_groups,
+    not with a teacher), length-cut rows (algo.overlong_filter), IS-rejected tokens and stale tokens."""
+    is_weights: Tensor | None = None
+    """[N, T] detached rollout IS weights (separate pass with algo.rollout_is.enabled), else None."""
+    scores: Scores | None = None
+    """Phase 3's output, None when the update's forward scores the batch."""
+
+
+class StepPhases:
+    """Phases 3-6 of one rank's share of each batch, with the learner that scores and trains it."""
+
+    def __init__(self, cfg, learner: Learner, *, world: int):
+        self.cfg, self.learner, self.world = cfg, learner, world
+        self.derived = derive(cfg)
+        self.device = learner.device
+        self.group_size = cfg.rollout.group_size
+        policy = learner.accelerator.unwrap_model(learner.model)
+        self.reuse_forward, self.why_not_reused = reusable(cfg, dropout=has_dropout(policy))
+
+    def learn(self, produced: ScoredBatch, step: int, timers: Timers) -> dict[str, Tensor]:
+        """Phases 3-6 on a batch generated by policy version `produced.policy_version`, trained at `step`.
+        Returns the step's global statistics (0-dim tensors; every rank gets the same)."""
+        rb = produced.rollout
+        mask = rb.response_mask.to(self.device).bool()
+        merger = MetricMerger()
+        if self.reuse_forward:
+            prepared, update_metrics = self._learn_reusing(produced, mask, step, merger, timers)
+        else:
+            with timers("logprobs"):
+                scores = self.score(rb, mask, merger)
+            if self.derived.has_teacher:
+                with timers("teacher"):
+                    scores = dataclasses.replace(scores, teacher_logprobs=self.teacher_logprobs(rb))
+            with timers("advantages"):
+                prepared = self.advantages(produced, mask, scores, merger)
+            with timers("correction"):
+                prepared = self.correct(rb, mask, prepared, scores, step, merger)
+            with timers("update"):
+                update_metrics = self.learner.update(self.train_batch(rb, prepared))
+        return self.statistics(produced, mask, prepared, step, merger, update_metrics)
+
+    def _learn_reusing(self, produced: ScoredBatch, mask, step: int, merger: MetricMerger, timers: Timers):
+        """Order 4, 6, 5: the update's first forward collects the log-probs (and the IS weights) phase 3 would."""
+        rb, a = produced.rollout, self.cfg.algo
+        timers.add("logprobs", 0.0)  # the key stays, for dashboards and comparisons
+        n = rb.num_samples
+        n_scored = self.rows_to_score(n, every_row=a.rollout_is.enabled)
+        scored_mask = mask & (torch.arange(n, device=self.device) < n_scored)[:, None]
+        with timers("advantages"):
+            prepared = self.advantages(produced, mask, None, merger)
+        collected = ForwardScores(
+            scored_mask,
+            rollout_logprobs=rb.rollout_logprobs.to(self.device).float(),
+            is_cfg=a.rollout_is if a.rollout_is.enabled else None,
+        )
+        with timers("update"):
+            update_metrics = self.learner.update(self.train_batch(rb, prepared), scores=collected)
+        with timers("correction"):
+            scores = Scores(
+                collected.logprobs[:n_scored], scored_mask[:n_scored], collected.entropy[:n_scored]
+            )
+            self.log_entropy(scores, merger)
+            # The metrics over the whole batch; the weights it recomputes equal those the update used.
+            prepared = self.correct(rb, mask, prepared, scores, step, merger)
+        return prepared, update_metrics
+
+    def rows_to_score(self, n: int, *, every_row: bool) -> int:
+        """How many of the batch's first rows phase 3 scores: all `n` when the update needs every row's
+        log-probs, else `rollout.mismatch_samples` of them (0 = all)."""
+        if not every_row and self.cfg.rollout.mismatch_samples > 0:
+            return min(self.cfg.rollout.mismatch_samples, n)
+        return n
+
+    # -- 3 logprobs ------------------------------------------------------------------------------------
+
+    def score(self, rb: RolloutBatch, mask, merger: MetricMerger) -> Scores:
+        """3. The current policy's log-probs (of every row when the update uses them: IS weights, the
+        off-policy ratio's denominator, the KL to the reference, the critic's baseline, the teacher's term;
+        else of `rollout.mismatch_samples` rows, for the mismatch metrics that prove the weight push), the
+        reference's and the critic's."""
+        a, d = self.cfg.algo, self.derived
+        n_scored = self.rows_to_score(rb.num_samples, every_row=d.score_every_row)
+        seqs = Sequences.of(rb).select(slice(0, n_scored))  # all rows when n_scored == N (a view)
+        lp = self.learner.forward(seqs, policy=True, ref=d.needs_reference, values=a.value_model)
+        logp = lp.logprobs.to(self.device)
+        kl_to_ref = ref = None
+        if d.needs_reference:
+            ref = lp.ref_logprobs.to(self.device)
+            # The KL to the reference as the rollout saw it, measured before any advantage code runs.
+            kl_to_ref = kl.kl_estimate(logp, ref, a.kl_estimator)
+            merger.add({"rollout/kl": masked_mean(kl_to_ref, mask)}, mask.sum())
+        scores = Scores(
+            logp, mask[:n_scored], lp.entropy.to(self.device), ref_logprobs=ref, kl_to_ref=kl_to_ref,
+            values=lp.values.to(self.device) if a.value_model else None,
+        )  # fmt: skip
+        self.log_entropy(scores, merger)
+        return scores
+
+    @staticmethod
+    def log_entropy(scores: Scores, merger: MetricMerger) -> None:
+        merger.add(
+            {"rollout/entropy": masked_mean(scores.entropy, scores.scored_mask)}, scores.scored_mask.sum()
+        )
+
+    def teacher_logprobs(self, rb: RolloutBatch) -> Tensor:
+        """3b. The distillation teacher's log-probs of the sampled tokens."""
+        return self.learner.forward(rb, policy=False, teacher=True).teacher_logprobs.to(self.device)
+
+    # -- 4 advantages ----------------------------------------------------------------------------------
+
+    def advantages(
+        self, produced: ScoredBatch, mask, scores: Scores | None, merger: MetricMerger
+    ) -> Prepared:
+        """4. Advantages from the registered estimator, plus the distillation term when there is a teacher
+        (rlkit/algos/distill.py); the loss mask without zero-std groups (not with distillation: its term is
+        informative in every group) and, with `algo.overlong_filter`, without responses cut by the length cap.
+        `scores` is None when the update's forward scores the batch (no estimator input comes from it then)."""
+        a, rb = self.cfg.algo, produced.rollout
+        rewards = produced.rewards.to(self.device)
+        inputs = adv.AdvantageInputs(
+            rewards=rewards, mask=mask, group_size=self.group_size,
+            kl=scores.kl_to_ref if a.kl_in_reward else None, kl_coef=a.kl_coef,
+            values=scores.values if a.value_model else None,
+            global_sum=(lambda x: all_reduce(x, self.world, self.device)) if self.world > 1 else None,
+        )  # fmt: skip
+        advantages, returns = adv.estimate(a.adv_estimator, inputs, a)
+        if self.derived.has_teacher:
+            teacher_logp = scores.teacher_logprobs
+            d = distill.distill_advantages(scores.logprobs, teacher_logp, mask, gamma=a.distill_gamma)
+            parts = (a.task_coef * advantages, a.distill_coef * d)
+            merger.add(distill.distill_metrics(scores.logprobs, teacher_logp, *parts, mask), mask.sum())
+            advantages = distill.combine(
+                advantages, d, mask, task_coef=a.task_coef, distill_coef=a.distill_coef
+            )
+        zero_std = adv.zero_std_groups(rewards, self.group_size)
+        masking = a.mask_zero_std_groups and not self.derived.has_teacher
+        loss_mask = mask & ~zero_std[:, None] if masking else mask
+        if a.overlong_filter:
+            # Responses cut by the length cap leave the loss (their reward judges an unfinished answer).
+            cut = torch.tensor([f == "length" for f in rb.finish_reasons], device=self.device)
+            loss_mask = loss_mask & ~cut[:, None]
+        return Prepared(advantages, returns, zero_std, loss_mask, scores=scores)
+
+    # -- 5 correction ----------------------------------------------------------------------------------
+
+    def correct(
+        self, rb: RolloutBatch, mask, prepared: Prepared, scores: Scores, step: int, merger: MetricMerger
+    ) -> Prepared:
+        """5. Rollout correction: the mismatch metrics of the scored rows; IS weights over every sampled
+        token (the rollout's drift, whether or not its group trains), where rejection only narrows the loss
+        mask; then the per-token staleness (policy versions between each token's sampler and `step`) and, with
+        `algo.max_token_staleness`, the loss mask without the tokens older than that."""
+        a = self.cfg.algo
+        rollout_logp = rb.rollout_logprobs.to(self.device).float()
+        scored_rollout = rollout_logp[: scores.scored_mask.shape[0]]
+        n_tokens = scores.scored_mask.sum()
+        merger.add(correction.mismatch_metrics(scores.logprobs, scored_rollout, scores.scored_mask), n_tokens)
+        rkl = correction.rollout_kl(scores.logprobs, scored_rollout, kind=a.rollout_kl_estimator)
+        merger.add({"rollout_kl": masked_mean(rkl, scores.scored_mask)}, n_tokens)
+        loss_mask, is_weights = prepared.loss_mask, None
+        if a.rollout_is.enabled:
+            c = a.rollout_is
+            is_weights, kept, is_metrics = correction.rollout_is(
+                scores.logprobs, rollout_logp, mask, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
+                veto_lower=c.veto_lower, veto_upper=c.veto_upper,
+            )  # fmt: skip
+            merger.add(is_metrics, mask.sum())
+            loss_mask = loss_mask & kept
+        if rb.token_versions is not None:
+            versions = rb.token_versions.to(self.device)
+            per_token, per_row = staleness.staleness_metrics(versions, mask, step)
+            merger.add(per_token, mask.sum())
+            merger.add(per_row, mask.shape[0])
+            loss_mask = staleness.fresh_tokens(versions, loss_mask, step, a.max_token_staleness)
+        return dataclasses.replace(prepared, loss_mask=loss_mask, is_weights=is_weights)
+
+    # -- 6 update --------------------------------------------------------------------------------------
+
+    def train_batch(self, rb: RolloutBatch, prepared: Prepared) -> TrainBatch:
+        """What `Learner.update` trains (phase 3's tensors only where the update uses them)."""
+        a, d, scores = self.cfg.algo, self.derived, prepared.scores
+        return TrainBatch(
+            prompt_ids=rb.prompt_ids.to(self.device),
+            prompt_mask=rb.prompt_mask.to(self.device),
+            response_ids=rb.response_ids.to(self.device),
+            response_mask=prepared.loss_mask,
+            advantages=prepared.advantages,
+            old_logprobs=scores.logprobs if d.off_policy else None,
+            ref_logprobs=scores.ref_logprobs if d.kl_loss_coef > 0 else None,
+            rollout_logprobs=rb.rollout_logprobs.to(self.device).float() if a.rollout_kl_coef > 0 else None,
+            is_weights=prepared.is_weights,
+            token_versions=rb.token_versions.to(self.device) if rb.token_versions is not None else None,
+            values=scores.values if a.value_model else None,
+            returns=prepared.returns,
+        )
+
+    # -- the step's statistics -------------------------------------------------------------------------
+
+    def statistics(
+        self, produced: ScoredBatch, mask, prepared: Prepared, step: int, merger: MetricMerger, update: dict
+    ) -> dict[str, Tensor]:
+        """The step's global statistics: per-sample (rewards, lengths, ...), token (merged by token counts)
+        and the update's."""
+        stats = step_statistics(
+            produced, mask, prepared.zero_std, staleness=step - produced.policy_version, world=self.world,
+            device=self.device,
+        )  # fmt: skip
+        stats.update(merger.compute())
+        if self.derived.has_teacher:  # the share of the advantage's magnitude that comes from the teacher
+            stats["distill/teacher_share"] = distill.teacher_share(
+                stats["distill/adv_abs"], stats["distill/task_adv_abs"]
+            )
+        stats.update(update)
+        return stats
