@@ -6,6 +6,12 @@
     python scripts/bench.py ... --compare-trl --seeds 0,1,2    # the learning comparison over seeds
     python scripts/bench.py ... --json                 # one JSON object for machines
     python scripts/bench.py ... --workdir DIR --report-only   # re-print the report of a run in DIR
+    python scripts/bench.py ... --against 8259c11 --rounds 3  # A/B: that commit and this tree, alternately
+
+With --against REV the benchmark runs on the commit REV (A: a git worktree of it, scripts/ab.py) and on this
+checkout (B) alternately, --rounds times (A B A B ...; with --compare-trl, TRL after each pair), on the same
+machine in one invocation, and reports each figure for both with the ratio B/A of every round (mean, min,
+max): the figures of a performance claim in the docs.
 
 Two tables, two questions. Throughput (per framework: generated tokens/s, learner tokens/s, step time):
 with --fixed-length every response is exactly --max-new-tokens tokens in both frameworks (rlkit
@@ -284,22 +290,88 @@ def learning_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def child(framework: str, seed: int, args, out: Path) -> dict:
-    """Run one framework and seed in a fresh Python process; its result comes back through a JSON file."""
+def child(framework: str, seed: int, args, out: Path, root: Path = REPO) -> dict:
+    """Run one framework and seed in a fresh Python process, with rlkit and this script from checkout `root`;
+    its result comes back through a JSON file."""
+    from ab import env_for
+
+    argv = without_options(args.argv, ("--against", "--rounds"))  # the A/B's own: a child runs one side
     cmd = [
         sys.executable,
-        __file__,
+        str(root / "scripts" / "bench.py"),
         "--_worker",
         framework,
         "--_out",
         str(out),
-        *args.argv,
+        *argv,
         "--seed",
         str(seed),
     ]
     # The child's own output goes to stderr, so stdout carries only the report (--json stays parseable).
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=sys.stderr)
+    subprocess.run(cmd, check=True, cwd=root, env=env_for(root), stdout=sys.stderr)
     return json.loads(out.read_text())
+
+
+def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`argv` without the options `names` and their values (`--x V` or `--x=V`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not a.startswith(tuple(f"{n}=" for n in names)):
+            out.append(a)
+    return out
+
+
+def run_figures(result: dict) -> dict[str, float]:
+    """The figures of one run that an A/B compares (steps 2.., `throughput`'s and rlkit's phases)."""
+    t = throughput([result])
+    out = {k: t[k] for k in ("mean_step_s", "gen_tokens_per_s", "learner_tokens_per_s", "learner_s_per_step")}
+    if result["framework"] == "rlkit":
+        rows = [s["metrics"] for s in (result["steps"][1:] or result["steps"])]
+        for key in ("timing/update_s", "timing/generate_s", "timing/weight_push_s", "perf/learner_mfu"):
+            values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+            if values:
+                out[key] = sum(values) / len(values)
+    return out
+
+
+def against(args) -> dict:
+    """A/B: rlkit at `args.against` (A) and this checkout (B), alternately, `args.rounds` times (TRL after each
+    pair with --compare-trl). Returns the comparison (scripts/ab.py) with TRL's ratios."""
+    import ab
+
+    workdir = Path(args.workdir)
+    a_root, sha = ab.checkout(args.against, workdir)
+    sides = [("A", a_root, "rlkit"), ("B", REPO, "rlkit")] + (
+        [("TRL", REPO, "trl")] if args.compare_trl else []
+    )
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
+    loads: dict[str, list[str]] = {name: [] for name, _, _ in sides}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for i in range(args.rounds):
+        for name, root, framework in sides:
+            before = os.getloadavg()[0]
+            result = child(framework, args.seed, args, workdir / f"{name}-{i}.json", root)
+            loads[name].append(f"{before:.1f}/{os.getloadavg()[0]:.1f}")
+            runs[name].append(run_figures(result))
+    out = {
+        "against": sha[:12], "a_root": str(a_root), "b": ab.describe_b(), "rounds": args.rounds,
+        "cpu": ab.cpu_name(), "started": started, "loads": loads, "table": ab.compare(runs["A"], runs["B"]),
+        "runs": runs,
+    }  # fmt: skip
+    if args.compare_trl:
+        trl = [r["mean_step_s"] for r in runs["TRL"]]
+        for side in ("A", "B"):
+            ratios = [r["mean_step_s"] / t for r, t in zip(runs[side], trl)]
+            out[f"{side}_over_trl_step_s"] = {
+                "mean": sum(ratios) / len(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+            }
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -344,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--rlkit-override", action="append", default=[], help="extra Hydra override for rlkit")
+    p.add_argument("--against", default=None, help="A/B against this commit (see the module docstring)")
+    p.add_argument("--rounds", type=int, default=3, help="with --against: A B pairs (default 3)")
     p.add_argument("--_worker", choices=["rlkit", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
@@ -362,8 +436,20 @@ def main(argv: list[str] | None = None) -> None:
         Path(args._out).write_text(json.dumps(result, default=float))
         return
 
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     os.makedirs(args.workdir, exist_ok=True)
+    if args.against:
+        import ab
+
+        result = against(args)
+        print(json.dumps(result, indent=1, default=float) if args.json else ab.report(result))
+        for side in ("A", "B"):
+            if f"{side}_over_trl_step_s" in result and not args.json:
+                r = result[f"{side}_over_trl_step_s"]
+                print(
+                    f"{side}/TRL seconds per step: {r['mean']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})"
+                )
+        return
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     frameworks = ["rlkit", "trl"] if args.compare_trl else ["rlkit"]
     out = Path(args.workdir)
     results = {
