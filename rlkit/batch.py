@@ -225,7 +225,7 @@ class ScoredBatch:
     timeouts: int
     """Of those, the ones that timed out."""
     stats: dict[str, float]
-    """`dynamic/gen_batches`, `dynamic/kept_frac` (global, refill mode only)."""
+    """`dynamic/gen_batches`, `dynamic/kept_frac`, `dynamic/shortfall_groups` (global, refill mode only)."""
     policy_version: int
     """The oldest policy version that sampled a token of these samples (`RolloutBatch.oldest_version`): the
     trainer step whose weights generated them, or began to when weights were updated in flight."""

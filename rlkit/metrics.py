@@ -245,3 +245,17 @@ def to_host(stats: dict) -> dict[str, float]:
         [torch.as_tensor(stats[k], dtype=torch.float32).reshape(()).cpu() for k in names]
     ).tolist()
     return dict(zip(names, values))
+
+
+def run_summary(history: list[dict[str, float]]) -> list[str]:
+    """Lines that sum up what the run counted step by step instead of logging it every step (rank 0 logs them
+    at the end): the steps where dynamic sampling fell short (`dynamic/shortfall_groups`)."""
+    lines = []
+    short = [m["dynamic/shortfall_groups"] for m in history if m.get("dynamic/shortfall_groups", 0) > 0]
+    if short:
+        lines.append(
+            f"dynamic sampling fell short on {len(short)} of {len(history)} steps: {int(sum(short))} groups without "
+            "signal were trained (masked out of the loss); more generation batches (algo.max_gen_batches) would "
+            "fill more of them"
+        )
+    return lines

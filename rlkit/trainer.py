@@ -37,7 +37,7 @@ from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, device_peak, step_ra
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
-from rlkit.metrics import to_host, without_absent_tasks
+from rlkit.metrics import run_summary, to_host, without_absent_tasks
 from rlkit.models import load_tokenizer
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
@@ -284,6 +284,8 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self.is_main:  # curves for a user without W&B: <run_dir>/curves.png (scripts/plot_run.py RUN_DIR)
+            for line in run_summary(history):
+                log.info("%s", line)
             plot_finished_run(self.run_dir)
         return history
 

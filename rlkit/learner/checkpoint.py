@@ -4,14 +4,17 @@ the schedulers from JSON, and a checkpoint holding pickled objects is refused.""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import json
+import logging
 import pickle
 from pathlib import Path
 
 from torch import Tensor
 
 from rlkit.learner.lora import base_name
-from rlkit.weights import iter_full_parameters
+from rlkit.weights import iter_full_parameters, tied_aliases
 
 SCHEDULERS_FILE = "schedulers.json"  # LR scheduler states, in a checkpoint's state/ directory
 
@@ -40,11 +43,43 @@ def save(learner, directory: str | Path) -> None:
         acc.unwrap_model(model).save_pretrained(
             directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
         )
-    acc.save_state(str(directory / "state"))
+    with _tied_heads_expected(acc.unwrap_model(learner.model)):
+        acc.save_state(str(directory / "state"))
     if acc.is_main_process:  # plain JSON, not a pickle: loading a checkpoint never runs code
         states = [s.state_dict() for s in _schedulers(learner)]
         (directory / "state" / SCHEDULERS_FILE).write_text(json.dumps(states))
     acc.wait_for_everyone()
+
+
+class _TiedFilter(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...} while saving" when every tensor it names is a tied alias
+    of the model (a tied head is saved once, under its first name, and reloads tied): expected, not a problem."""
+
+    def __init__(self, aliases: set[str]):
+        super().__init__()
+        self.aliases = aliases
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()  # accelerate may prefix "[RANK 0] "
+        if "Removed shared tensor " not in message:
+            return True
+        try:
+            names = ast.literal_eval(message.split("Removed shared tensor ", 1)[1].split(" while saving")[0])
+        except (ValueError, SyntaxError):
+            return True
+        return not (names and set(names) <= self.aliases)
+
+
+@contextlib.contextmanager
+def _tied_heads_expected(model):
+    aliases = {a for names in tied_aliases(model).values() for a in names}
+    f = _TiedFilter(aliases)
+    logger = logging.getLogger("accelerate.utils.other")
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
 
 
 def _save_lora(learner, directory: Path) -> None:

@@ -88,6 +88,7 @@ class Producer:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self._awake = False
+        self._told_shortfall = False  # dynamic sampling: the first shortfall is logged, later ones counted
         self.scorer = scorer
         self.prompts = prompts
         self.order = order
@@ -256,15 +257,22 @@ class Producer:
                     break
         kept = int(sum(int(k.sum()) for k in keep))
         generated = sum(k.numel() for k in keep)
-        if kept < needed:
+        if kept < needed and not self._told_shortfall and self.rank == 0:
+            # Once: a shortfall is normal early in training; every step counts it in dynamic/shortfall_groups
+            # and the trainer sums it up at the end of the run.
+            self._told_shortfall = True
             log.warning(
                 "dynamic sampling: %d of %d groups with signal after algo.max_gen_batches=%d generation "
-                "batches; training on them plus %d groups without signal (masked out of the loss)",
+                "batches; training on them plus %d groups without signal (masked out of the loss). Later "
+                "shortfalls are counted in dynamic/shortfall_groups, summed up at the end of the run",
                 kept, needed, a.max_gen_batches, needed - kept,
             )  # fmt: skip
         with timers("filter"):
             scored = self._assemble(pieces, select_groups(keep, needed))
-        stats = {"dynamic/gen_batches": float(len(keep)), "dynamic/kept_frac": kept / max(generated, 1)}
+        stats = {
+            "dynamic/gen_batches": float(len(keep)), "dynamic/kept_frac": kept / max(generated, 1),
+            "dynamic/shortfall_groups": float(max(0, needed - kept)),
+        }  # fmt: skip
         stats.update(self._kept_per_task(pieces, keep))
         return dataclasses.replace(scored, stats=stats, policy_version=scored.rollout.oldest_version(step))
 

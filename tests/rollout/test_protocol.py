@@ -37,7 +37,9 @@ def _assigned_in_init(cls) -> set[str]:
                 targets += t.elts if isinstance(t, ast.Tuple) else [t]
         elif isinstance(node, ast.AnnAssign):
             targets.append(node.target)
-    return {t.attr for t in targets if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"}
+    return {
+        t.attr for t in targets if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"
+    }
 
 
 @pytest.mark.parametrize("impl", [LocalRollouts, AsyncRollouts])

@@ -90,15 +90,22 @@ def test_refill_fills_the_batch_with_informative_groups_or_trains_on_what_there_
         assert ("dynamic sampling" in caplog.text) == (not enough)
 
 
-def test_no_signal_anywhere_hits_the_bound_and_still_trains(tiny, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING):
-        (m,) = train(
-            tiny, tmp_path / "c", "algo.dynamic_sampling=refill", "algo.max_gen_batches=3",
-            "reward.fn=rlkit_test_rewards:constant", "trainer.steps=1",
+def test_no_signal_anywhere_hits_the_bound_and_still_trains_said_once_and_summed_up(tiny, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        history = train(
+            tiny, tmp_path / "c", "algo.dynamic_sampling=refill", "algo.max_gen_batches=2",
+            "reward.fn=rlkit_test_rewards:constant", "trainer.steps=3",
         )  # fmt: skip
-    assert m["dynamic/gen_batches"] == 3 and m["dynamic/kept_frac"] == 0.0
-    assert m["frac_reward_zero_std"] == 1.0 and m["grad_norm"] == 0.0
-    assert "0 of 2 groups with signal" in caplog.text
+    for m in history:
+        assert m["dynamic/gen_batches"] == 2 and m["dynamic/kept_frac"] == 0.0
+        assert m["frac_reward_zero_std"] == 1.0 and m["grad_norm"] == 0.0
+        assert m["dynamic/shortfall_groups"] == 2.0  # 8 samples / 4 per group, none with signal
+    # the shortfall is a warning once, not every step; the end of the run sums it up
+    warned = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "dynamic sampling" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "0 of 2 groups with signal" in warned[0].getMessage()
+    assert "dynamic sampling fell short on 3 of 3 steps: 6 groups without signal" in caplog.text
 
 
 def test_refill_resumes_exactly(tiny, tmp_path):
