@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # A word the docs use for "your value here": such a command shows a shape, not a runnable line.
 PLACEHOLDER = re.compile(
-    r"\$\{?\w+|[A-Z]{2,}(?:_[A-Z]+)*|<[^>]*>|\.\.\.|\bS\b|/data/|my-org/|my_rewards:|my_confs"
+    r"\$\{?\w+|\{\w+\}|[A-Z]{2,}(?:_[A-Z]+)*|<[^>]*>|\.\.\.|\bS\b|/data/|my-org/|my_rewards:|my_confs"
 )
 
 
