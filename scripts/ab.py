@@ -3,6 +3,9 @@
     python scripts/ab.py --against 8259c11 --rounds 3 -- \\
         python -m rlkit.train +recipe=quickstart trainer.run_dir={run_dir} logger=none trainer.progress_bar=false
 
+`{round}` in the command becomes the round's number (0, 1, ...), for a seed per round
+(`trainer.seed={round}`): each pair then compares both sides on the same seed.
+
 A is a detached git worktree of the commit (made once under --workdir, the same Python environment, rlkit
 imported from it through PYTHONPATH); B is this checkout as it is, uncommitted changes included. The runs go
 A B A B ... (`--rounds` pairs), each in a fresh `{run_dir}`, so a machine whose speed drifts during the hour
@@ -78,9 +81,9 @@ def env_for(root: Path) -> dict[str, str]:
     return env
 
 
-def run_one(argv: list[str], root: Path, run_dir: Path) -> dict:
-    """Run `argv` (with `{run_dir}` substituted) in `root`; its wall time, loads and metrics summary."""
-    cmd = [a.replace("{run_dir}", str(run_dir)) for a in argv]
+def run_one(argv: list[str], root: Path, run_dir: Path, round_: int = 0) -> dict:
+    """Run `argv` (with `{run_dir}` and `{round}` substituted) in `root`; its wall time, loads and metrics."""
+    cmd = [a.replace("{run_dir}", str(run_dir)).replace("{round}", str(round_)) for a in argv]
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, env=env_for(root), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -176,8 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     a_runs, b_runs = alternate(
         args.rounds,
-        lambda i: run_one(command, a_root, workdir / f"A-{i}"),
-        lambda i: run_one(command, REPO, workdir / f"B-{i}"),
+        lambda i: run_one(command, a_root, workdir / f"A-{i}", i),
+        lambda i: run_one(command, REPO, workdir / f"B-{i}", i),
     )
     result = {
         "against": sha[:12], "a_root": str(a_root), "b": describe_b(), "rounds": args.rounds, "cpu": cpu_name(),

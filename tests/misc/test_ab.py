@@ -37,7 +37,7 @@ def test_metrics_are_averaged_over_the_steps_after_the_first(tmp_path):
 PROBE = """
 import json, sys, time, pathlib, rlkit
 run = pathlib.Path(sys.argv[1]); run.mkdir(parents=True)
-(run / "where.txt").write_text(f"{rlkit.__file__}\\n{time.time()}")
+(run / "where.txt").write_text(f"{rlkit.__file__}\\n{time.time()}\\n{sys.argv[2]}")
 (run / "metrics.jsonl").write_text("\\n".join(json.dumps({"timing/step_s": v}) for v in (9.0, 1.0, 3.0)))
 """
 
@@ -53,15 +53,16 @@ def workdir(tmp_path):
 
 def test_the_runs_alternate_and_each_side_imports_its_own_checkout(workdir, capsys):
     tmp_path = workdir
-    command = [sys.executable, "-c", PROBE, "{run_dir}"]
+    command = [sys.executable, "-c", PROBE, "{run_dir}", "seed={round}"]
     result = ab.main(["--against", "HEAD", "--rounds", "2", "--workdir", str(tmp_path), "--", *command])
     a_root = Path(result["a_root"])
     assert a_root != REPO_ROOT and (a_root / "rlkit").is_dir()
     seen = {}
     for side in ("A", "B"):
         for i in range(2):
-            where, when = (tmp_path / f"{side}-{i}" / "where.txt").read_text().splitlines()
+            where, when, seed = (tmp_path / f"{side}-{i}" / "where.txt").read_text().splitlines()
             seen[side, i] = float(when)
+            assert seed == f"seed={i}"  # {round} is the round's number
             root = a_root if side == "A" else REPO_ROOT
             assert Path(where).resolve().is_relative_to(root.resolve()), (side, where)
     assert seen["A", 0] < seen["B", 0] < seen["A", 1] < seen["B", 1]
