@@ -125,11 +125,41 @@ def stopped_ranks_message(barrier_error: str, rank: int) -> str:
     )
 
 
-# -- small collectives over the default group (no-ops with one process) ---------------------------------
+# -- every collective rlkit makes (tests/misc/test_collectives_source.py holds that none is made elsewhere) ---
+#
+# NCCL takes CUDA tensors only (`No backend type associated with device type cpu`); gloo takes host tensors,
+# so a CPU run never shows a host tensor that a GPU run would refuse. Every tensor collective therefore takes
+# the device its tensor must be on as a required argument (the learner's device: cuda:LOCAL_RANK under NCCL),
+# places the tensor there, and refuses by name a non-CUDA device on an NCCL group before NCCL does.
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective was given a device its process group's backend does not take (the CPU under NCCL)."""
+
+
+def _backend(group) -> str | None:
+    """The backend of `group` (a process group of the default world, or a bridge `ProcessGroup*` object)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return "nccl" if nccl is not None and isinstance(group, nccl) else "gloo"
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_backend(group)
+
+
+def placed(x: torch.Tensor, device, group=None) -> torch.Tensor:
+    """`x` on `device`, contiguous, after checking that the backend of `group` takes tensors there."""
+    device = torch.device(device)
+    if _backend(group) == "nccl" and device.type != "cuda":
+        raise CollectiveDeviceError(
+            f"a collective on an NCCL group was given device {device} for a {tuple(x.shape)} tensor on "
+            f"{x.device}: NCCL takes CUDA tensors only; pass the learner's device (cuda:LOCAL_RANK)"
+        )
+    return x.to(device).contiguous()
 
 
 def broadcast_object(obj, world: int):
-    """Rank 0's `obj` on every rank."""
+    """Rank 0's `obj` on every rank (torch sends it through the backend's device itself)."""
     if world == 1:
         return obj
     box = [obj]
@@ -137,20 +167,47 @@ def broadcast_object(obj, world: int):
     return box[0]
 
 
-def all_gather_cat(x: torch.Tensor, world: int, device) -> torch.Tensor:
-    """Concatenate a per-rank [n, ...] tensor over ranks in rank order (same shape on every rank)."""
+def scatter_object(items: list | None, world: int, src: int = 0):
+    """Rank `src`'s `items[r]` on rank r (`items` is read on `src` only)."""
+    if world == 1:
+        return items[0]
+    box = [None]
+    dist.scatter_object_list(box, items, src=src)
+    return box[0]
+
+
+def gather_objects(obj, world: int) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_cat(x: torch.Tensor, world: int, device, *, group=None) -> torch.Tensor:
+    """Concatenate a per-rank [n, ...] tensor over ranks in rank order (same shape on every rank), on `device`."""
     if world == 1:
         return x
-    x = x.to(device).contiguous()
+    x = placed(x, device, group)
     out = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(out, x)
+    dist.all_gather(out, x, group=group)
     return torch.cat(out)
 
 
-def all_reduce(x: torch.Tensor, world: int, device=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """`x` reduced over ranks (a new tensor; `x` is left untouched)."""
+def all_reduce(x: torch.Tensor, world: int, device, *, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """`x` reduced over ranks, a new tensor on `device` (`x` is left untouched)."""
     if world == 1:
         return x
-    x = x.to(device if device is not None else x.device).clone()
-    dist.all_reduce(x, op=op)
+    x = placed(x, device, group).clone()
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def broadcast(pg, x: torch.Tensor, device, src: int = 0) -> torch.Tensor:
+    """Broadcast `x` from `src` over the process-group object `pg` (the async weight bridge: rlkit.weights),
+    on `device`; returns the tensor that was sent or filled (a receiver's buffer is `x` itself when `x` is
+    already on `device`)."""
+    x = placed(x, device, pg)
+    pg.broadcast(x, src).wait()
     return x

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlkit.collectives import broadcast
+
 Manifest = dict[str, tuple[int, ...]]
 
 # Module names that wrappers (FSDP1, DDP, torch.compile, activation checkpointing) insert into
@@ -299,7 +301,7 @@ def send_weights(
             )
         if digests is not None:
             digests[name] = digest(tensor)
-        pg.broadcast(tensor.detach().to(device).contiguous(), 0).wait()
+        broadcast(pg, tensor.detach(), device)
     done = _finished(stats, start)
     # The rest of the push: digests and the broadcast to the workers (their engines load on their own).
     done["transfer_seconds"] = max(0.0, done["seconds"] - stats["export_seconds"] - stats["cast_seconds"])
@@ -315,9 +317,7 @@ def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) 
 
     def stream():
         for name, shape in manifest.items():
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            pg.broadcast(buf, 0).wait()
-            yield name, buf
+            yield name, broadcast(pg, torch.empty(shape, dtype=dtype, device=device), device)
 
     tensors = stream()
     try:

@@ -92,7 +92,8 @@ def make_accelerator(cfg):
 
     from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 
-    cuda = torch.cuda.is_available()
+    # trainer.device=cpu keeps the learner on the CPU (gloo) on a machine with GPUs: accelerate's `cpu=True`.
+    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
     # PartialState joins the process group (gloo on CPU) and is shared by the Accelerator built below.
     # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
     timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.batch import ScoredBatch
-from rlkit.collectives import free_port
+from rlkit.collectives import broadcast_object, free_port, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import resolve_engine, torch_dtype
@@ -257,12 +257,7 @@ class AsyncRollouts:
             if self.is_main:
                 item, dropped = self._next_fresh(step)
                 payload = [(share, item.seconds, dropped) for share in split_scored(item.batch, self.world)]
-            if self.world > 1:
-                box = [None]
-                dist.scatter_object_list(box, payload, src=0)
-                share, seconds, dropped = box[0]
-            else:
-                share, seconds, dropped = payload[0]
+            share, seconds, dropped = scatter_object(payload, self.world)
         for key, value in seconds.items():  # the worker's phases (they overlapped the learner's)
             timers.seconds[key] = timers.seconds.get(key, 0.0) + value
         return dataclasses.replace(share, stats={**share.stats, "staleness/dropped": float(dropped)})
@@ -319,11 +314,7 @@ class AsyncRollouts:
                 self._receive()
             self.eval_requested.discard(version)
             out = self.evals.pop(version)
-        if self.world > 1:
-            box = [out]
-            dist.broadcast_object_list(box, src=0)
-            out = box[0]
-        return out
+        return broadcast_object(out, self.world)
 
     def checkpoint(self, directory) -> dict:
         """Wait for every granted batch and save the untrained ones: resuming loses and repeats nothing."""
