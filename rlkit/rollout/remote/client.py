@@ -362,6 +362,34 @@ def check_inflight(cfg) -> None:
         )
 
 
+def check_gpu_layout(t) -> None:
+    """The rollout workers take the last `trainer.rollout_gpus` visible GPUs, the learner processes of this
+    machine the first ones (one each, by LOCAL_RANK): refuse a layout where they would share a GPU. The
+    learner processes are LOCAL_WORLD_SIZE under a launcher (torchrun, accelerate launch, or rlkit's own, which
+    starts visible - rollout_gpus of them); checked on the machine of learner rank 0, where the workers run."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        return
+    if gpus <= t.rollout_gpus:
+        raise ConfigError(
+            f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
+            f"use at most {gpus - 1}"
+        )
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" not in env or int(env.get("RANK", 0)) != int(env.get("LOCAL_RANK", 0)):
+        return  # not launched, or not the machine of rank 0 (its first process has RANK == LOCAL_RANK == 0)
+    local = int(env["LOCAL_WORLD_SIZE"])
+    if local + t.rollout_gpus > gpus:
+        raise ConfigError(
+            f"trainer.mode=async: {local} learner processes on this machine (the launcher's LOCAL_WORLD_SIZE) "
+            f"and trainer.rollout_gpus={t.rollout_gpus} rollout workers need {local + t.rollout_gpus} GPUs, "
+            f"{gpus} visible: the workers would share GPUs {list(range(gpus - t.rollout_gpus, local))} with "
+            f"learner ranks. Start at most {gpus - t.rollout_gpus} processes per machine (torchrun "
+            f"--nproc-per-node {gpus - t.rollout_gpus}), or run `python -m rlkit.train` without a launcher (it "
+            "starts one per GPU the workers leave)"
+        )
+
+
 def check_config(cfg) -> None:
     """The async keys: `trainer.max_staleness`, `trainer.rollout_gpus`, `trainer.inflight_updates` (raises
     ConfigError; warns about an async key set in sync mode)."""
@@ -387,12 +415,7 @@ def check_config(cfg) -> None:
             f"trainer.rollout_gpus = {r.group_size} x {t.rollout_gpus} (each rollout worker samples whole groups)"
         )
     if t.device != "cpu":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus and gpus <= t.rollout_gpus:
-            raise ConfigError(
-                f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
-                f"use at most {gpus - 1}"
-            )
+        check_gpu_layout(t)
     if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
         log.warning(
             "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
