@@ -17,6 +17,8 @@ import os
 import re
 import signal
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -204,10 +206,71 @@ def all_reduce(x: torch.Tensor, world: int, device, *, op=dist.ReduceOp.SUM, gro
     return x
 
 
-def broadcast(pg, x: torch.Tensor, device, src: int = 0) -> torch.Tensor:
+def broadcast(pg, x: torch.Tensor, device, src: int = 0):
     """Broadcast `x` from `src` over the process-group object `pg` (the async weight bridge: rlkit.weights),
-    on `device`; returns the tensor that was sent or filled (a receiver's buffer is `x` itself when `x` is
-    already on `device`)."""
+    on `device`. Returns (the tensor sent or filled, its work). Under NCCL `wait()` only orders the current
+    CUDA stream after the broadcast and returns at once, whether or not the peers take part: `wait_on_host`
+    waits for it to finish."""
     x = placed(x, device, pg)
-    pg.broadcast(x, src).wait()
-    return x
+    work = pg.broadcast(x, src)
+    work.wait()
+    return x, work
+
+
+def wait_on_host(
+    work, timeout_s: float, alive: Callable[[], None] | None = None, poll_s: float = 0.2
+) -> None:
+    """Block the host until `work` has finished (NCCL's works finish in the order they were issued on a
+    group, so the last one stands for all), calling `alive()` between polls (it raises to name a peer that
+    died: an NCCL collective with a dead peer never finishes and raises nothing); CollectiveTimeout after
+    `timeout_s` (trainer.collective_timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(
+                f"a weight broadcast did not finish within trainer.collective_timeout_s={timeout_s:g}s"
+            )
+        time.sleep(poll_s)
+
+
+class StartupGate:
+    """Ranks 1..N-1 wait here, outside any collective, while rank 0 does something long alone (async mode:
+    start the rollout workers, whose engines compile and capture graphs). A collective would bound the wait
+    by the process group's timeout (NCCL's watchdog ends the process after it); this waits on a TCPStore that
+    rank 0 serves, with no bound: if rank 0 fails it exits, its store goes with it and the waiting ranks raise
+    (and the launcher ends every rank of a failed run anyway). Built by every rank at once (one broadcast)."""
+
+    KEY = "rlkit/open"
+
+    def __init__(self, rank: int, world: int, what: str):
+        self.rank, self.what = rank, what
+        self.store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False) if rank == 0 else None
+        port = broadcast_object(self.store.port if rank == 0 else None, world)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if rank != 0:
+            self.store = dist.TCPStore(host, port, world, False, timeout=timedelta(seconds=60))
+
+    def open(self) -> None:
+        """Rank 0: let the others go."""
+        self.store.set(self.KEY, "1")
+
+    def wait(self, poll_s: float = 60.0) -> None:
+        """Ranks 1..N-1: return once rank 0 has called `open` (logged every `poll_s` while waiting)."""
+        start = time.monotonic()
+        while True:
+            try:
+                self.store.wait([self.KEY], timedelta(seconds=poll_s))
+                return
+            except RuntimeError as e:  # DistStoreError: a timeout (wait again) or rank 0's store is gone
+                if not is_timeout(e):
+                    raise RuntimeError(
+                        f"rank {self.rank}: rank 0 stopped while it {self.what} ({e})"
+                    ) from None
+            log.info(
+                "rank %d: waiting for rank 0, which %s (%.0f s)",
+                self.rank,
+                self.what,
+                time.monotonic() - start,
+            )

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.batch import ScoredBatch
-from rlkit.collectives import broadcast_object, free_port, scatter_object
+from rlkit.collectives import StartupGate, broadcast_object, free_port, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import resolve_engine, torch_dtype
@@ -116,8 +116,15 @@ class AsyncRollouts:
 
     def start(self, export: Export, step: int, *, evaluate: bool = False) -> None:
         """Start the workers from the data position of this run (or its checkpoint) and push `step`."""
+        # Ranks 1..N-1 wait outside any collective while rank 0 starts the workers (their engines may compile
+        # and capture graphs for longer than trainer.collective_timeout_s), then all ranks push together.
+        gate = StartupGate(self.rank, self.world, "starts the rollout workers") if self.world > 1 else None
         if self.is_main:
             self._spawn()
+            if gate is not None:
+                gate.open()
+        elif gate is not None:
+            gate.wait()
         self.push(export, step, evaluate=evaluate)
 
     def _spawn(self) -> None:
@@ -293,8 +300,9 @@ class AsyncRollouts:
         digests = {} if self.cfg.rollout.verify_push and self.is_main else None
         try:
             stats = send_weights(
-                self.pg, export, self.dtype, is_main=self.is_main, device=send_device, digests=digests
-            )
+                self.pg, export, self.dtype, is_main=self.is_main, device=send_device, digests=digests,
+                timeout_s=self.cfg.trainer.collective_timeout_s, alive=self._raise_if_a_worker_exited,
+            )  # fmt: skip
         except Exception:
             if self.is_main:  # a dead worker breaks the broadcast: name it rather than the transport
                 self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
