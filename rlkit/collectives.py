@@ -1,7 +1,9 @@
 """A hung rank must not hang everyone.
 
 Every collective waits at most `trainer.collective_timeout_s` (the process group's timeout, set in
-`rlkit.learner.make_accelerator`). When one times out, `CollectiveWatch.explain` finds out which ranks stopped
+`rlkit.learner.make_accelerator`; rlkit's own collectives also wait on the host with it). On NCCL the timeout
+reaches Python only with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, which make_accelerator sets (see
+`let_nccl_timeouts_reach_python`); otherwise torch's watchdog thread ends the process first. When one times out, `CollectiveWatch.explain` finds out which ranks stopped
 with a monitored barrier on a gloo group of its own (gloo's `monitored_barrier` names the ranks that did not
 arrive; the main group may be NCCL, or left in an undefined state by the failed collective), and every live
 rank ends with an error saying so. Rank 0 ends a stopped rank that runs on its own machine (SIGKILL: a hung or
@@ -42,15 +44,50 @@ def free_port() -> int:
 
 
 def is_timeout(error: BaseException) -> bool:
+    """Whether `error` is a collective that waited too long: gloo's and a blocking NCCL wait's timeout, or the
+    error of an NCCL communicator the watchdog aborted after its timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=2)."""
     text = str(error).lower()
-    return "timed out" in text or "timeout" in text
+    return "timed out" in text or "timeout" in text or "communicator was aborted" in text
+
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp): 1 TearDown and 3
+# SkipCleanUp (torch's default; torchrun's launcher sets 1) make NCCL's watchdog thread rethrow a collective's
+# timeout, which ends the process before any Python code runs; 2 CleanUpOnly aborts the communicator and lets
+# the timeout reach the waiting thread, so that `CollectiveWatch.explain` can name the stopped rank.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+
+
+def let_nccl_timeouts_reach_python() -> str | None:
+    """Before the NCCL process group is created (the variable is read then): CleanUpOnly, unless the user chose
+    0 (no handling) or 3; the launcher's default 1 is replaced. Returns the value it replaced, if any."""
+    before = os.environ.get(NCCL_ERROR_HANDLING)
+    if before in (None, "", "1"):
+        os.environ[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+        return before
+    return None
+
+
+_host_timeout: timedelta | None = None  # trainer.collective_timeout_s, set by CollectiveWatch
+
+
+def _wait(work) -> None:
+    """Block this thread until `work` is done, at most trainer.collective_timeout_s: an NCCL `wait()` without a
+    timeout only orders the CUDA stream (the host goes on, and the timeout would be the watchdog's alone);
+    with one it blocks and raises the timeout here, where `CollectiveWatch.explain` catches it."""
+    if _host_timeout is None:
+        work.wait()
+    else:
+        work.wait(_host_timeout)
 
 
 class CollectiveWatch:
     """Built on every rank at start-up (a collective call); `explain(error)` after a failure."""
 
     def __init__(self, world_size: int, timeout_s: float):
+        global _host_timeout
         self.timeout_s = timeout_s
+        _host_timeout = timedelta(seconds=timeout_s)
         self.group = None
         self.places: list = []  # process_place() of every rank
         if world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -193,7 +230,7 @@ def all_gather_cat(x: torch.Tensor, world: int, device, *, group=None) -> torch.
         return x
     x = placed(x, device, group)
     out = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(out, x, group=group)
+    _wait(dist.all_gather(out, x, group=group, async_op=True))
     return torch.cat(out)
 
 
@@ -202,7 +239,7 @@ def all_reduce(x: torch.Tensor, world: int, device, *, op=dist.ReduceOp.SUM, gro
     if world == 1:
         return x
     x = placed(x, device, group).clone()
-    dist.all_reduce(x, op=op, group=group)
+    _wait(dist.all_reduce(x, op=op, group=group, async_op=True))
     return x
 
 

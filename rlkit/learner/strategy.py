@@ -5,8 +5,11 @@ on CPU over gloo; the only module that sets accelerate up. `check_config` owns `
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from rlkit.collectives import let_nccl_timeouts_reach_python
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError
 
@@ -19,6 +22,8 @@ DTYPES = (
 )  # model.dtype (float16 would need loss scaling, which the learner does not do)
 # /proc/cpuinfo flags of native bf16: x86 (AVX-512 BF16, AMX), aarch64 (FEAT_BF16)
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+log = logging.getLogger(__name__)
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
@@ -97,6 +102,10 @@ def make_accelerator(cfg):
     # PartialState joins the process group (gloo on CPU) and is shared by the Accelerator built below.
     # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
     timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)
+    if cuda and (replaced := let_nccl_timeouts_reach_python()) is not None:
+        log.debug(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=%r -> 2: NCCL timeouts reach rlkit's explanation", replaced
+        )
     world_size = PartialState(cpu=not cuda, timeout=timeout).num_processes
     strategy = resolve_strategy(cfg.trainer.strategy, cuda=cuda, world_size=world_size)
     compute = cfg.model.compute_dtype

@@ -38,8 +38,9 @@ def test_the_end_to_end_config_is_built_and_checked_without_hydra(tmp_path):
     from rlkit.models import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "m", hidden_size=32, num_layers=1)
-    # One fresh process (so that an import of Hydra would show): cuda=True asks for trainer.device=cuda,
-    # which the device check refuses by name on this CPU machine; cuda=False passes every check.
+    # One fresh process (so that an import of Hydra would show): cuda=True asks for trainer.device=cuda, which
+    # the device check refuses by name on a machine without CUDA (and passes where there is one); cuda=False
+    # passes every check.
     code = f"""
 import sys
 sys.path.insert(0, "scripts")
@@ -55,25 +56,72 @@ print("hydra imported:", "hydra" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+    import torch
+
     assert out.stdout.splitlines() == [
-        "refused: True",
+        *([] if torch.cuda.is_available() else ["refused: True"]),
         "arithmetic fsdp2 3 float32 hf",
         "hydra imported: False",
     ]
 
 
-def test_report_schema_on_cpu(tmp_path):
+def test_without_cuda_the_check_refuses_unless_told():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run every part (that is what it is for)")
     refused = gpu_check.run_check(gpu_check.parse_args([]))
     assert set(gpu_check.REPORT_KEYS) <= set(refused) and "no CUDA device" in refused["error"]
+
+
+def test_report_schema_on_cpu(tmp_path):
+    """The parts that run on CPU too, on a tiny model: the collectives of a group of one (gloo here, where a
+    host tensor is taken; on NCCL it must be refused) and the learner under FSDP2 with every learner
+    collective run on the group, then the learner benchmark."""
     tiny = "--config tiny --samples 2 --prompt-len 8 --response-len 8 --updates 1"
     out = tmp_path / "r.json"
-    args = ["--allow-cpu", "--parts", "learner", f"--learner-args={tiny}", "--out", str(out)]
+    args = [
+        "--allow-cpu",
+        "--parts",
+        "collectives,fsdp2,learner",
+        f"--learner-args={tiny}",
+        "--out",
+        str(out),
+    ]
+    args += ["--fsdp2-config", "tiny", "--peak-tflops", "1"]
     rc = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", *args], cwd=ROOT, capture_output=True, text=True
     )
     report = json.loads(out.read_text())
     assert rc.returncode == 0, report
-    assert set(gpu_check.REPORT_KEYS) <= set(report) and report["device"]["type"] == "cpu"
+    assert set(gpu_check.REPORT_KEYS) <= set(report) and report["device"]["type"] in ("cpu", "cuda")
     learner = report["parts"]["learner"]
     assert learner["ok"] and learner["tokens_per_s"] > 0 and 0 < learner["mfu"] and "seconds" in learner
-    assert report["versions"]["torch"] and list(report["parts"]) == ["learner"]
+    assert report["versions"]["torch"] and list(report["parts"]) == ["collectives", "fsdp2", "learner"]
+    coll, fsdp2 = report["parts"]["collectives"], report["parts"]["fsdp2"]
+    cuda = report["device"]["type"] == "cuda"
+    assert coll["ok"] and coll["as_expected"] and coll["backend"] == ("nccl" if cuda else "gloo"), coll
+    assert coll["rlkit_learner_device"] == "ran: [12.0, 16.0, 3500000000.0]", (
+        coll
+    )  # the sum over a group of one
+    assert fsdp2["ok"] and fsdp2["fsdp2"] and fsdp2["tokens_per_s"] > 0 and fsdp2["mfu"] >= 0, fsdp2
+    # The learner's counts (3 float64 values) and its loss denominators went through the group, on its device.
+    assert fsdp2["learner_collectives_on_the_group"] >= 3, fsdp2
+    assert any(c.startswith("(3,) torch.float64") for c in fsdp2["collective_calls"]), fsdp2
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_nccl_refuses_a_host_tensor_and_rlkit_names_it_first():
+    """Issue 44's finding 1 where it happens: an NCCL group of one takes no host tensor; rlkit's collectives
+    refuse a host device by name and run on the learner's device."""
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--worker", "collectives"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "nccl" and out["as_expected"], out
+    assert "No backend type associated with device type cpu" in out["raw_host_tensor"], out
+    assert "CollectiveDeviceError" in out["rlkit_host_device"], out
