@@ -64,6 +64,11 @@ WHEELS = (
     "safetensors",
     "tqdm",
 )
+# No wheel of the pinned release on PyPI (antlr4-python3-runtime 4.9.3, which omegaconf 2.3 pins): its sdist,
+# pure Python, which pip installs offline from the bundle.
+SOURCE_ONLY = ("antlr4-python3-runtime",)
+# What rlkit's learner imports beyond torch, transformers and accelerate (rlkit.config: omegaconf), as packages.
+CARRIED = ("omegaconf", "antlr4")
 PARTS = ("collectives", "fsdp2", "learner", "e2e", "tests")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -147,16 +152,37 @@ def requirement_closure(names=WHEELS, provided=PROVIDED) -> dict[str, list[str]]
     return {n: sorted(d for d in _closure([n]) if d not in covered) for n in names}
 
 
+def carry_python_packages(directory: Path) -> list[str]:
+    """Copy the installed pure-Python packages the `collectives` and `fsdp2` parts need beyond the GPU machine's
+    own (`CARRIED`) into `directory`, import-ready: `PYTHONPATH=<repo>:<directory>` then needs no pip."""
+    import importlib
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in CARRIED:
+        source = Path(importlib.import_module(name).__file__).parent
+        shutil.copytree(
+            source, directory / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return sorted(CARRIED)
+
+
 def prepare(directory: str, pip_args: str = "") -> dict:
-    """pip download (no dependencies: the list is closed, `requirement_closure`) the wheels, and copy the
-    embedded model's tokenizer files."""
+    """pip download (no dependencies: the list is closed, `requirement_closure`) the wheels, copy the packages
+    the learner parts need as folders (`carry_python_packages`) and the embedded model's tokenizer files."""
     out = Path(directory)
     (out / "wheels").mkdir(parents=True, exist_ok=True)
-    pins = [f"{n}=={importlib.metadata.version(n)}" for n in WHEELS]
+    pins = [f"{n}=={importlib.metadata.version(n)}" for n in WHEELS if n not in SOURCE_ONLY]
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(out / "wheels"), *pip_args.split(), *pins],
         check=True,
     )  # fmt: skip
+    sources = [f"{n}=={importlib.metadata.version(n)}" for n in SOURCE_ONLY]  # pure Python: any platform
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-d", str(out / "wheels"), *sources],
+        check=True,
+    )  # fmt: skip
+    carry_python_packages(out / "python")
     sys.path.insert(0, str(REPO))
     from rlkit.models import load_tokenizer
 
@@ -199,145 +225,6 @@ def device_info() -> dict:
             "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(),
         }  # fmt: skip
     return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count()}
-
-
-def group_of_one(cuda: bool) -> None:
-    """This process as the only rank of a process group: NCCL on CUDA (gloo on CPU), as a launcher sets it up."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if cuda:
-        import torch
-
-        torch.cuda.set_device(0)
-
-
-def collectives_worker(args) -> dict:
-    """Issue 44's finding 1 on one GPU: NCCL refuses a host tensor ("No backend type associated with device
-    type cpu"), which the learner's token counts were; rlkit's collectives refuse a host device by name before
-    NCCL does and place the tensor on the device they are given."""
-    import torch
-    import torch.distributed as dist
-
-    from rlkit import collectives
-
-    cuda = torch.cuda.is_available()
-    group_of_one(cuda)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    out = {"backend": dist.get_backend()}
-
-    def attempt(key, call):
-        try:
-            out[key] = f"ran: {call()}"
-        except Exception as e:
-            out[key] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-
-    counts = [12.0, 16.0, 3.5e9]  # what learner.update all-reduces: real tokens, tokens run, FLOPs
-    attempt("raw_host_tensor", lambda: dist.all_reduce(torch.tensor(counts, dtype=torch.float64)))
-    attempt("rlkit_host_device", lambda: collectives.all_reduce(torch.tensor(counts), 2, "cpu").tolist())
-    attempt("rlkit_learner_device", lambda: collectives.all_reduce(torch.tensor(counts), 2, device).tolist())
-    dist.destroy_process_group()
-    # On NCCL the first two must be refused and the last must run; on gloo all three run.
-    expected = ("refused", "refused", "ran") if cuda else ("ran", "ran", "ran")
-    got = tuple(
-        out[k].split(":")[0] for k in ("raw_host_tensor", "rlkit_host_device", "rlkit_learner_device")
-    )
-    out["as_expected"] = got == expected
-    return out
-
-
-def fsdp2_accelerator(cuda: bool):
-    """accelerate's FSDP2 on a group of one (rlkit.learner.make_accelerator runs one process plain): on CUDA
-    accelerate turns FSDP on for a one-GPU group by itself; on CPU the learner's own switch does it."""
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
-
-    from rlkit.learner.strategy import enable_fsdp_on_cpu
-
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
-        state_dict_type="SHARDED_STATE_DICT",
-    )  # fmt: skip
-    acc = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no", fsdp_plugin=plugin)
-    if not cuda:
-        enable_fsdp_on_cpu(acc, plugin)
-    assert acc.is_fsdp2, acc.distributed_type
-    return acc
-
-
-def through_the_backend(calls: list) -> None:
-    """Every all-reduce the learner makes (a no-op in a world of one) also runs on the process group with the
-    tensor rlkit.collectives would send: the learner's own collectives, real tensors, on NCCL."""
-    import torch.distributed as dist
-
-    from rlkit import collectives, metrics
-    from rlkit.learner import batching, learner
-
-    real = collectives.all_reduce
-
-    def all_reduce(x, world, device, *, op=dist.ReduceOp.SUM, group=None):
-        sent = collectives.placed(x, device, group).clone()
-        dist.all_reduce(sent, op=op, group=group)
-        calls.append(f"{tuple(x.shape)} {x.dtype} {x.device} -> {sent.device}")
-        return real(x, world, device, op=op, group=group)
-
-    for module in (learner, batching, metrics):
-        module.all_reduce = all_reduce
-
-
-def fsdp2_worker(args) -> dict:
-    """The learner under FSDP2 on one device (NCCL on CUDA), on the Qwen2.5-0.5B shape with random weights:
-    tokens/s, MFU and peak memory of `Learner.update`, every learner collective run on the group."""
-    import bench_learner
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from rlkit.config.schema import RLConfig
-    from rlkit.flops import device_peak
-    from rlkit.learner import Learner
-
-    cuda = torch.cuda.is_available()
-    group_of_one(cuda)
-    ns = argparse.ArgumentParser()
-    for flag, kind, default in (("--samples", int, 16), ("--prompt-len", int, 256), ("--response-len", int, 512),
-                                ("--updates", int, 3)):  # fmt: skip
-        ns.add_argument(flag, type=kind, default=default)
-    ns.add_argument("--config", default=None)
-    opts, _ = ns.parse_known_args(args.learner_args.split())
-    config = bench_learner.build_config(args.fsdp2_config)
-    calls: list = []
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        cfg = RLConfig()
-        cfg.model.path, cfg.model.dtype = tmp, "float32"
-        cfg.model.compute_dtype = "bfloat16" if cuda else "float32"
-        cfg.trainer.device, cfg.trainer.strategy, cfg.trainer.lr = ("cuda" if cuda else "cpu"), "fsdp2", 1e-6
-        learner = Learner(cfg, accelerator=fsdp2_accelerator(cuda))
-    through_the_backend(calls)
-    batch = bench_learner.random_batch(opts.samples, opts.prompt_len, opts.response_len, config.vocab_size, 0)
-    tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
-    learner.update(batch)  # warm-up: FSDP's lazy init, kernels, the allocator
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start, flops = time.perf_counter(), 0.0
-    for _ in range(opts.updates):
-        flops += float(learner.update(batch)["learner/flops"])
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak, source = device_peak(learner.device, learner.compute_dtype, args.peak_tflops)
-    import torch.distributed as dist
-
-    return {
-        "config": args.fsdp2_config, "backend": dist.get_backend(), "fsdp2": learner.accelerator.is_fsdp2,
-        "compute_dtype": str(learner.compute_dtype).removeprefix("torch."), "rows": batch.num_samples,
-        "tokens_per_update": tokens, "tokens_per_s": round(tokens * opts.updates / seconds, 1),
-        "seconds_per_update": round(seconds / opts.updates, 3), "mfu": round(flops / (seconds * peak), 4),
-        "peak_tflops": round(peak / 1e12, 3), "peak_source": source,
-        "peak_cuda_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
-        "learner_collectives_on_the_group": len(calls), "collective_calls": sorted(set(calls)),
-    }  # fmt: skip
 
 
 def run_worker(args, part: str) -> dict:
@@ -518,7 +405,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         sys.path[:0] = [str(REPO), str(REPO / "scripts")]
-        worker = collectives_worker if args.worker == "collectives" else fsdp2_worker
+        import gpu_check_parts
+
+        worker = (
+            gpu_check_parts.collectives_worker
+            if args.worker == "collectives"
+            else gpu_check_parts.fsdp2_worker
+        )
         print(json.dumps(worker(args)))
         return 0
     if args.prepare:

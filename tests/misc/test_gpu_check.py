@@ -4,6 +4,7 @@ Hydra-free end-to-end config, and the report's schema (the learner part on a tin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,25 @@ def test_on_a_gpu_nccl_refuses_a_host_tensor_and_rlkit_names_it_first():
     assert out["backend"] == "nccl" and out["as_expected"], out
     assert "No backend type associated with device type cpu" in out["raw_host_tensor"], out
     assert "CollectiveDeviceError" in out["rlkit_host_device"], out
+
+
+def test_the_learner_parts_import_with_the_carried_packages_alone(tmp_path):
+    """`PYTHONPATH=<repo>:bundle/python` is all the collectives and fsdp2 parts need on a machine with CUDA
+    torch, transformers and accelerate: the packages are found in the carried folders, and rlkit's learner and
+    the parts' module import from there without Hydra or vLLM."""
+    gpu_check.carry_python_packages(tmp_path / "python")
+    code = (
+        "import sys, omegaconf, antlr4, gpu_check_parts, rlkit.learner; "
+        "print(omegaconf.__file__); print(antlr4.__file__); print('hydra' in sys.modules, 'vllm' in sys.modules)"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "python"), str(ROOT / "scripts")]),
+    }
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    omegaconf_file, antlr4_file, imported = out.stdout.splitlines()
+    assert omegaconf_file.startswith(str(tmp_path / "python")) and antlr4_file.startswith(
+        str(tmp_path / "python")
+    )
+    assert imported == "False False"
