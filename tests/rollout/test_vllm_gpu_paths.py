@@ -88,14 +88,11 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("v"), hidden_size=128, num_layers=1)
 
 
-def test_building_restores_what_it_must_and_keeps_what_vllm_reads_later(
+def test_building_keeps_what_vllm_reads_later_and_restores_the_launchers_variables(
     fake_llm, fake_cuda, ckpt, monkeypatch
 ):
     monkeypatch.setenv("LD_PRELOAD", "/mine.so")
     monkeypatch.setenv("RANK", "0")
-    torch.manual_seed(123), np.random.seed(123), random.seed(123)
-    before = (torch.random.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
-    cuda_before = fake_cuda["now"].clone()
     vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25)
     assert len(fake_llm.built) == 1
     for key, value in LATER_USE.items():  # vLLM reads these again: they stay
@@ -104,6 +101,13 @@ def test_building_restores_what_it_must_and_keeps_what_vllm_reads_later(
     assert (
         "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ
     )
+
+
+def test_building_restores_every_rng_state_the_cuda_generators_included(fake_llm, fake_cuda, ckpt):
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    before = (torch.random.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    cuda_before = fake_cuda["now"].clone()
+    vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25)
     assert torch.equal(torch.random.get_rng_state(), before[0])
     assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
     assert torch.equal(fake_cuda["now"], cuda_before) and len(fake_cuda["set"]) == 2  # vLLM's, then ours
