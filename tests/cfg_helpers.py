@@ -15,6 +15,7 @@ FLAT = {
     "lora_dropout": "model.lora.dropout",
     "lora_target_modules": "model.lora.target_modules",
     "strategy": "trainer.strategy",
+    "device": "trainer.device",
     "lr": "trainer.lr",
     "weight_decay": "trainer.weight_decay",
     "betas": "trainer.betas",
@@ -39,7 +40,14 @@ ALGO = (
 
 
 def learner_cfg(**flat) -> RLConfig:
-    """An `RLConfig` with the flat keywords set (the rest schema defaults); `max_grad_norm=None` = no clipping."""
+    """An `RLConfig` with the flat keywords set (the rest schema defaults); `max_grad_norm=None` = no clipping.
+
+    On a machine with CUDA the learner stays on the CPU unless `device=` says otherwise, as in CPU CI (see
+    `as_in_cpu_ci`): the learner tests compare 2-process gloo runs with a 1-process reference on one device,
+    and their rank 1 would ask for a cuda:1 a 1-GPU host lacks. The learner on CUDA is scripts/gpu_check.py's.
+    """
+    if cuda_gpus():
+        flat.setdefault("device", "cpu")
     cfg = RLConfig()
     for name, value in flat.items():
         key = f"algo.{name}" if name in ALGO else FLAT[name]
