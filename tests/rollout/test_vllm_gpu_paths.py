@@ -5,6 +5,7 @@ launcher's variables, LD_PRELOAD, every RNG state, the CUDA generator's included
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -123,18 +124,15 @@ def test_the_build_line_names_the_model_runner(fake_llm, fake_cuda, ckpt, caplog
 
 
 @pytest.mark.parametrize(
-    ("colocated", "share", "sleep"),
-    [
-        (True, 0.3, True),
-        (False, 0.92, False),
-    ],  # 0.92: vLLM 0.32's EngineArgs default
-    ids=["colocated", "own-gpu"],
+    ("colocated", "share", "sleep"), [(True, 0.3, True), (False, 0.92, False)], ids=["colocated", "own-gpu"]
 )
 def test_an_engine_on_a_gpu_of_its_own_neither_sleeps_nor_leaves_the_gpu_empty(colocated, share, sleep):
-    assert vllm_engine.memory_plan(colocated, None, None, sleep_available=True) == (share, sleep)
+    """0.92 stands for vLLM's own default here (the engine reads it from EngineArgs: the make_engine test)."""
+    plan = functools.partial(vllm_engine.memory_plan, vllm_default=0.92)
+    assert plan(colocated, None, None, sleep_available=True) == (share, sleep)
     # An explicit choice wins; without sleep mode on the platform (CPU) there is none either way.
-    assert vllm_engine.memory_plan(colocated, 0.5, True, sleep_available=True) == (0.5, True)
-    assert vllm_engine.memory_plan(colocated, None, None, sleep_available=False)[1] is False
+    assert plan(colocated, 0.5, True, sleep_available=True) == (0.5, True)
+    assert plan(colocated, None, None, sleep_available=False)[1] is False
 
 
 def test_an_async_worker_on_a_gpu_builds_its_engine_as_not_colocated(monkeypatch, ckpt):

@@ -102,7 +102,7 @@ def make_engine(
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
     (e.g. `kv_cache_gib`, `enforce_eager` or `gpu_memory_utilization` for vLLM, `max_batch_size` for HF).
     `colocated=False`: the engine has its device to itself (an async rollout worker); vLLM then sizes its memory
-    for that and does not sleep (`rlkit.rollout.engines.vllm.memory_plan`).
+    for that and does not sleep (`rlkit.rollout.engines.vllm_memory.memory_plan`).
     """
     engine = resolve_engine(engine, model_path)
     dtype = torch_dtype(dtype)

@@ -42,6 +42,7 @@ from rlkit.rollout.engines.base import (
     record_throughput,
 )
 from rlkit.rollout.engines.vllm_logs import quiet_push_logs
+from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
 from rlkit.weights import (
     PushGuard,
@@ -162,31 +163,6 @@ def contained_side_effects():
             torch.cuda.set_rng_state(cuda_rng)
 
 
-COLOCATED_GPU_SHARE = (
-    0.3  # of the GPU the colocated engine may take (weights + KV cache): the learner needs the rest
-)
-
-
-def memory_plan(
-    colocated: bool,
-    gpu_memory_utilization: float | None,
-    enable_sleep_mode: bool | None,
-    sleep_available: bool,
-) -> tuple[float, bool]:
-    """(gpu_memory_utilization, enable_sleep_mode) of an engine, where the caller left them None.
-
-    Colocated with a learner on its GPU (sync mode): `COLOCATED_GPU_SHARE` of the GPU, and sleep mode where
-    the platform has it (CUDA), so that the learner gets the memory between rollouts. On a GPU of its own (an
-    async rollout worker): vLLM's own default share (EngineArgs), and no sleep mode, which would copy the
-    weights and graphs to the host and back after every batch for nobody.
-    """
-    if gpu_memory_utilization is None:
-        gpu_memory_utilization = COLOCATED_GPU_SHARE if colocated else _vllm_default("gpu_memory_utilization")
-    if enable_sleep_mode is None:
-        enable_sleep_mode = sleep_available and colocated
-    return gpu_memory_utilization, enable_sleep_mode
-
-
 def _vllm_default(name: str):
     """The default of vLLM's engine argument `name` (a field of vllm.engine.arg_utils.EngineArgs)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -304,11 +280,10 @@ class VLLMEngine:
             if sleep_level not in (1, 2):
                 raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
             gpu_memory_utilization, enable_sleep_mode = memory_plan(
-                colocated,
-                gpu_memory_utilization,
-                enable_sleep_mode,
-                current_platform.is_sleep_mode_available(),
-            )
+                colocated, gpu_memory_utilization, enable_sleep_mode,
+                sleep_available=current_platform.is_sleep_mode_available(),
+                vllm_default=_vllm_default("gpu_memory_utilization"),
+            )  # fmt: skip
             if not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
             if enable_sleep_mode and not current_platform.is_sleep_mode_available():

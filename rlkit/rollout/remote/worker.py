@@ -76,7 +76,7 @@ def join_world(r: int, R: int, device, timeout_s: float) -> None:
 
 def worker_rollouts(cfg, r: int, R: int, device) -> LocalRollouts:
     """Worker `r`'s rollouts. On a GPU the engine is not colocated with a learner: it has the GPU to itself
-    (its memory share and no sleep mode: rlkit.rollout.engines.vllm.memory_plan)."""
+    (its memory share and no sleep mode: rlkit.rollout.engines.vllm_memory.memory_plan)."""
     return LocalRollouts(
         cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
         reward_dtype=torch_dtype(cfg.model.dtype), colocated=device.type != "cuda",
