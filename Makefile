@@ -18,6 +18,12 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 #     can reach neither, naming torch==2.13.0+cpu.
 # Override any of these: make install TORCH_SPEC=... VLLM_SPEC=... TORCH_CPU_INDEX=...
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# The CUDA version the driver supports (the "CUDA Version: 12.4" of nvidia-smi's header). PyPI's torch 2.13.0 and
+# vllm 0.32.0 are built for CUDA 13.0, which needs a driver of the 580 series or newer: on an older driver torch
+# sees no GPU (the learner would fall back to the CPU) and vLLM dies at CUDA initialisation. Such a machine is
+# refused unless TORCH_SPEC / VLLM_SPEC name builds for its CUDA version.
+DRIVER_CUDA := $(if $(HAS_GPU),$(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n 1))
+OLD_DRIVER = $(and $(HAS_GPU),$(filter file,$(origin TORCH_SPEC)),$(shell [ "$(DRIVER_CUDA)" -lt 13 ] 2>/dev/null && echo 1))
 TORCH_VERSION := 2.13.0
 TORCH_SPEC ?= $(if $(HAS_GPU),torch==$(TORCH_VERSION),torch==$(TORCH_VERSION)+cpu)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -38,6 +44,9 @@ UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torcha
 .PHONY: install install-test quickstart distill-teacher test lint docs clean
 
 $(VENV)/.core: pyproject.toml
+	$(if $(OLD_DRIVER),$(error the NVIDIA driver supports CUDA $(DRIVER_CUDA) (nvidia-smi), but PyPI's torch $(TORCH_VERSION) \
+	  and vllm 0.32.0 are built for CUDA 13.0 (driver 580 or newer): upgrade the driver, or name torch and vLLM \
+	  builds for CUDA $(DRIVER_CUDA): make install TORCH_SPEC=... VLLM_SPEC=... (with PIP_EXTRA_INDEX_URL set to the index serving them)))
 	$(PYTHON) -m venv $(VENV)
 	@echo "torch: $(TORCH_SPEC) from $(if $(HAS_GPU),PyPI,$(if $(TORCH_INDEX),$(TORCH_CPU_INDEX),pip's own \
 	  configuration ($(TORCH_CPU_INDEX) did not answer within 5 s)))"

@@ -1,7 +1,9 @@
 """A hung rank must not hang everyone.
 
 Every collective waits at most `trainer.collective_timeout_s` (the process group's timeout, set in
-`rlkit.learner.make_accelerator`). When one times out, `CollectiveWatch.explain` finds out which ranks stopped
+`rlkit.learner.make_accelerator`; rlkit's own collectives also wait on the host with it). On NCCL the timeout
+reaches Python only with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, which make_accelerator sets (see
+`let_nccl_timeouts_reach_python`); otherwise torch's watchdog thread ends the process first. When one times out, `CollectiveWatch.explain` finds out which ranks stopped
 with a monitored barrier on a gloo group of its own (gloo's `monitored_barrier` names the ranks that did not
 arrive; the main group may be NCCL, or left in an undefined state by the failed collective), and every live
 rank ends with an error saying so. Rank 0 ends a stopped rank that runs on its own machine (SIGKILL: a hung or
@@ -17,6 +19,8 @@ import os
 import re
 import signal
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,15 +44,50 @@ def free_port() -> int:
 
 
 def is_timeout(error: BaseException) -> bool:
+    """Whether `error` is a collective that waited too long: gloo's and a blocking NCCL wait's timeout, or the
+    error of an NCCL communicator the watchdog aborted after its timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=2)."""
     text = str(error).lower()
-    return "timed out" in text or "timeout" in text
+    return "timed out" in text or "timeout" in text or "communicator was aborted" in text
+
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp): 1 TearDown and 3
+# SkipCleanUp (torch's default; torchrun's launcher sets 1) make NCCL's watchdog thread rethrow a collective's
+# timeout, which ends the process before any Python code runs; 2 CleanUpOnly aborts the communicator and lets
+# the timeout reach the waiting thread, so that `CollectiveWatch.explain` can name the stopped rank.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+
+
+def let_nccl_timeouts_reach_python() -> str | None:
+    """Before the NCCL process group is created (the variable is read then): CleanUpOnly, unless the user chose
+    0 (no handling) or 3; the launcher's default 1 is replaced. Returns the value it replaced, if any."""
+    before = os.environ.get(NCCL_ERROR_HANDLING)
+    if before in (None, "", "1"):
+        os.environ[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+        return before
+    return None
+
+
+_host_timeout: timedelta | None = None  # trainer.collective_timeout_s, set by CollectiveWatch
+
+
+def _wait(work) -> None:
+    """Block this thread until `work` is done, at most trainer.collective_timeout_s: an NCCL `wait()` without a
+    timeout only orders the CUDA stream (the host goes on, and the timeout would be the watchdog's alone);
+    with one it blocks and raises the timeout here, where `CollectiveWatch.explain` catches it."""
+    if _host_timeout is None:
+        work.wait()
+    else:
+        work.wait(_host_timeout)
 
 
 class CollectiveWatch:
     """Built on every rank at start-up (a collective call); `explain(error)` after a failure."""
 
     def __init__(self, world_size: int, timeout_s: float):
+        global _host_timeout
         self.timeout_s = timeout_s
+        _host_timeout = timedelta(seconds=timeout_s)
         self.group = None
         self.places: list = []  # process_place() of every rank
         if world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -125,11 +164,41 @@ def stopped_ranks_message(barrier_error: str, rank: int) -> str:
     )
 
 
-# -- small collectives over the default group (no-ops with one process) ---------------------------------
+# -- every collective rlkit makes (tests/misc/test_collectives_source.py holds that none is made elsewhere) ---
+#
+# NCCL takes CUDA tensors only (`No backend type associated with device type cpu`); gloo takes host tensors,
+# so a CPU run never shows a host tensor that a GPU run would refuse. Every tensor collective therefore takes
+# the device its tensor must be on as a required argument (the learner's device: cuda:LOCAL_RANK under NCCL),
+# places the tensor there, and refuses by name a non-CUDA device on an NCCL group before NCCL does.
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective was given a device its process group's backend does not take (the CPU under NCCL)."""
+
+
+def _backend(group) -> str | None:
+    """The backend of `group` (a process group of the default world, or a bridge `ProcessGroup*` object)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return "nccl" if nccl is not None and isinstance(group, nccl) else "gloo"
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_backend(group)
+
+
+def placed(x: torch.Tensor, device, group=None) -> torch.Tensor:
+    """`x` on `device`, contiguous, after checking that the backend of `group` takes tensors there."""
+    device = torch.device(device)
+    if _backend(group) == "nccl" and device.type != "cuda":
+        raise CollectiveDeviceError(
+            f"a collective on an NCCL group was given device {device} for a {tuple(x.shape)} tensor on "
+            f"{x.device}: NCCL takes CUDA tensors only; pass the learner's device (cuda:LOCAL_RANK)"
+        )
+    return x.to(device).contiguous()
 
 
 def broadcast_object(obj, world: int):
-    """Rank 0's `obj` on every rank."""
+    """Rank 0's `obj` on every rank (torch sends it through the backend's device itself)."""
     if world == 1:
         return obj
     box = [obj]
@@ -137,20 +206,108 @@ def broadcast_object(obj, world: int):
     return box[0]
 
 
-def all_gather_cat(x: torch.Tensor, world: int, device) -> torch.Tensor:
-    """Concatenate a per-rank [n, ...] tensor over ranks in rank order (same shape on every rank)."""
+def scatter_object(items: list | None, world: int, src: int = 0):
+    """Rank `src`'s `items[r]` on rank r (`items` is read on `src` only)."""
+    if world == 1:
+        return items[0]
+    box = [None]
+    dist.scatter_object_list(box, items, src=src)
+    return box[0]
+
+
+def gather_objects(obj, world: int) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_cat(x: torch.Tensor, world: int, device, *, group=None) -> torch.Tensor:
+    """Concatenate a per-rank [n, ...] tensor over ranks in rank order (same shape on every rank), on `device`."""
     if world == 1:
         return x
-    x = x.to(device).contiguous()
+    x = placed(x, device, group)
     out = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(out, x)
+    _wait(dist.all_gather(out, x, group=group, async_op=True))
     return torch.cat(out)
 
 
-def all_reduce(x: torch.Tensor, world: int, device=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """`x` reduced over ranks (a new tensor; `x` is left untouched)."""
+def all_reduce(x: torch.Tensor, world: int, device, *, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """`x` reduced over ranks, a new tensor on `device` (`x` is left untouched)."""
     if world == 1:
         return x
-    x = x.to(device if device is not None else x.device).clone()
-    dist.all_reduce(x, op=op)
+    x = placed(x, device, group).clone()
+    _wait(dist.all_reduce(x, op=op, group=group, async_op=True))
     return x
+
+
+def broadcast(pg, x: torch.Tensor, device, src: int = 0):
+    """Broadcast `x` from `src` over the process-group object `pg` (the async weight bridge: rlkit.weights),
+    on `device`. Returns (the tensor sent or filled, its work). Under NCCL `wait()` only orders the current
+    CUDA stream after the broadcast and returns at once, whether or not the peers take part: `wait_on_host`
+    waits for it to finish."""
+    x = placed(x, device, pg)
+    work = pg.broadcast(x, src)
+    work.wait()
+    return x, work
+
+
+def wait_on_host(
+    work, timeout_s: float, alive: Callable[[], None] | None = None, poll_s: float = 0.2
+) -> None:
+    """Block the host until `work` has finished (NCCL's works finish in the order they were issued on a
+    group, so the last one stands for all), calling `alive()` between polls (it raises to name a peer that
+    died: an NCCL collective with a dead peer never finishes and raises nothing); CollectiveTimeout after
+    `timeout_s` (trainer.collective_timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(
+                f"a weight broadcast did not finish within trainer.collective_timeout_s={timeout_s:g}s"
+            )
+        time.sleep(poll_s)
+
+
+class StartupGate:
+    """Ranks 1..N-1 wait here, outside any collective, while rank 0 does something long alone (async mode:
+    start the rollout workers, whose engines compile and capture graphs). A collective would bound the wait
+    by the process group's timeout (NCCL's watchdog ends the process after it); this waits on a TCPStore that
+    rank 0 serves, with no bound: if rank 0 fails it exits, its store goes with it and the waiting ranks raise
+    (and the launcher ends every rank of a failed run anyway). Built by every rank at once (one broadcast)."""
+
+    KEY = "rlkit/open"
+
+    def __init__(self, rank: int, world: int, what: str):
+        self.rank, self.what = rank, what
+        self.store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False) if rank == 0 else None
+        port = broadcast_object(self.store.port if rank == 0 else None, world)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if rank != 0:
+            self.store = dist.TCPStore(host, port, world, False, timeout=timedelta(seconds=60))
+
+    def open(self) -> None:
+        """Rank 0: let the others go."""
+        self.store.set(self.KEY, "1")
+
+    def wait(self, poll_s: float = 60.0) -> None:
+        """Ranks 1..N-1: return once rank 0 has called `open` (logged every `poll_s` while waiting)."""
+        start = time.monotonic()
+        while True:
+            try:
+                self.store.wait([self.KEY], timedelta(seconds=poll_s))
+                return
+            except RuntimeError as e:  # DistStoreError: a timeout (wait again) or rank 0's store is gone
+                if not is_timeout(e):
+                    raise RuntimeError(
+                        f"rank {self.rank}: rank 0 stopped while it {self.what} ({e})"
+                    ) from None
+            log.info(
+                "rank %d: waiting for rank 0, which %s (%.0f s)",
+                self.rank,
+                self.what,
+                time.monotonic() - start,
+            )

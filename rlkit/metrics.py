@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlkit.batch import ScoredBatch
-from rlkit.collectives import all_gather_cat
+from rlkit.collectives import all_gather_cat, all_reduce
 
 __all__ = ["MetricMerger", "per_task", "reduction", "step_statistics", "to_host", "without_absent_tasks"]
 
@@ -119,10 +119,10 @@ class MetricMerger:
         if distributed:
             if check_keys:
                 self._check_same_keys(device, group)
-            totals = torch.cat([sums, weights])
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+            world = dist.get_world_size(group)
+            totals = all_reduce(torch.cat([sums, weights]), world, device, group=group)
             sums, weights = totals[: len(sums)], totals[len(sums) :]
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            extremes = all_reduce(extremes, world, device, op=dist.ReduceOp.MAX, group=group)
 
         out: dict[str, Tensor] = {}
         ok = weights > 0
@@ -140,7 +140,7 @@ class MetricMerger:
     def _check_same_keys(self, device, group) -> None:
         digest = float(zlib.crc32("\n".join(self.keys()).encode()))
         probe = torch.tensor([digest, -digest], dtype=torch.float64, device=device)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        probe = all_reduce(probe, dist.get_world_size(group), device, op=dist.ReduceOp.MAX, group=group)
         # max(d) == d and max(-d) == -d on every rank only if all digests are equal.
         if not bool((probe[0] == digest) & (probe[1] == -digest)):
             raise ValueError(

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit import envs, learner, rewards, trainer
 from rlkit.collectives import free_port
-from rlkit.config.rules import local_path_exists, parse
+from rlkit.config.rules import fitting_worlds, local_path_exists, parse, working_values
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
 from rlkit.rollout import engines, evaluation, producer
@@ -75,16 +75,31 @@ def _launched_world_size() -> int | None:
     return None
 
 
-def _default_num_processes(cfg: DictConfig) -> int:
-    if cfg.trainer.num_processes is not None:
-        return int(cfg.trainer.num_processes)
+def default_num_processes(cfg: DictConfig) -> int:
+    """trainer.num_processes, else one learner process per GPU it may use: every visible GPU (async: but the
+    last trainer.rollout_gpus, which the rollout workers take, rlkit/rollout/remote/), or fewer where the
+    batch does not split over that many ranks (the largest count it splits over; the idle GPUs are logged)."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.num_processes is not None:
+        return int(t.num_processes)
     import torch
 
-    if cfg.trainer.device != "cpu" and torch.cuda.is_available():
-        # async: the last trainer.rollout_gpus GPUs belong to the rollout workers (rlkit/rollout/remote/)
-        reserved = cfg.trainer.rollout_gpus if cfg.trainer.mode == "async" else 0
-        return max(1, torch.cuda.device_count() - reserved)
-    return 1
+    if t.device == "cpu" or not torch.cuda.is_available():
+        return 1
+    gpus = torch.cuda.device_count()
+    reserved = t.rollout_gpus if t.mode == "async" else 0
+    usable = max(1, gpus - reserved)
+    fits = fitting_worlds(t.train_batch_size, r.group_size, cfg.algo.mini_batches, usable)
+    if not fits or fits[0] == usable:
+        return usable  # nothing fits: the rules name the values that would (load_config)
+    log.warning(
+        "%d GPUs%s: trainer.train_batch_size=%d splits over %d learner ranks, not %d (rollout.group_size=%d, "
+        "algo.mini_batches=%d), so %d GPU(s) stay idle; %s",
+        gpus, f", {reserved} for the rollout workers" if reserved else "", t.train_batch_size, fits[0], usable,
+        r.group_size, cfg.algo.mini_batches, usable - fits[0],
+        working_values(t.train_batch_size, r.group_size, cfg.algo.mini_batches, usable),
+    )  # fmt: skip
+    return fits[0]
 
 
 def _worker(config: dict) -> None:
@@ -124,7 +139,7 @@ def main_from_config(cfg: DictConfig) -> None:
     if launched is not None:
         _worker(cfg)
         return
-    n = _default_num_processes(cfg)
+    n = default_num_processes(cfg)
     config = load_config(cfg, world_size=n)  # fail before any process starts or model loads
     if n == 1:
         run(config)

@@ -260,7 +260,7 @@ class Trainer:
 
     def _should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
-        return bool(all_reduce(flag, self.world)[0] > 0)
+        return bool(all_reduce(flag, self.world, self.device)[0] > 0)
 
     def train(self) -> list[dict[str, float]]:
         """Run from the current step to trainer.steps; returns the logged metrics of each step (the

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlkit.collectives import broadcast, wait_on_host
+
 Manifest = dict[str, tuple[int, ...]]
 
 # Module names that wrappers (FSDP1, DDP, torch.compile, activation checkpointing) insert into
@@ -259,12 +261,15 @@ def _finished(stats: dict, start: float) -> dict[str, float]:
 
 
 def send_weights(
-    pg, export: Export, dtype: torch.dtype, *, is_main: bool, device, digests: dict | None = None
-) -> dict[str, float]:
+    pg, export: Export, dtype: torch.dtype, *, is_main: bool, device, digests: dict | None = None,
+    timeout_s: float = 600.0, alive: Callable[[], None] | None = None,
+) -> dict[str, float]:  # fmt: skip
     """Broadcast the learner's `export` from learner rank 0 (root of `pg`), cast to `dtype`, in the order of
     its manifest; every learner rank must call it (FSDP2 gathers each parameter on all ranks). With a
     `digests` dict, rank 0 fills it with each sent tensor's sha256 (what the workers check their engines
-    against: `check_engine`)."""
+    against: `check_engine`). Rank 0 returns once the last broadcast has finished on the host (under NCCL
+    the broadcasts are only queued on the GPU; `alive()` is called while waiting and raises to name a
+    receiver that died; rlkit.collectives.wait_on_host)."""
     names = list(export.manifest)
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
@@ -273,6 +278,7 @@ def send_weights(
         for _ in named:  # take part in the gathers
             pass
         return _finished(stats, start)
+    work = None
     for i, (name, tensor) in enumerate(_counted(named, stats, dtype)):
         if i >= len(names) or name != names[i]:
             raise RuntimeError(
@@ -281,7 +287,9 @@ def send_weights(
             )
         if digests is not None:
             digests[name] = digest(tensor)
-        pg.broadcast(tensor.detach().to(device).contiguous(), 0).wait()
+        _, work = broadcast(pg, tensor.detach(), device)
+    if work is not None:
+        wait_on_host(work, timeout_s, alive)
     done = _finished(stats, start)
     # The rest of the push: digests and the broadcast to the workers (their engines load on their own).
     done["transfer_seconds"] = max(0.0, done["seconds"] - stats["export_seconds"] - stats["cast_seconds"])
@@ -297,9 +305,7 @@ def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) 
 
     def stream():
         for name, shape in manifest.items():
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            pg.broadcast(buf, 0).wait()
-            yield name, buf
+            yield name, broadcast(pg, torch.empty(shape, dtype=dtype, device=device), device)[0]
 
     tensors = stream()
     try:

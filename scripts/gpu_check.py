@@ -64,7 +64,12 @@ WHEELS = (
     "safetensors",
     "tqdm",
 )
-PARTS = ("learner", "e2e", "tests")
+# No wheel of the pinned release on PyPI (antlr4-python3-runtime 4.9.3, which omegaconf 2.3 pins): its sdist,
+# pure Python, which pip installs offline from the bundle.
+SOURCE_ONLY = ("antlr4-python3-runtime",)
+# What rlkit's learner imports beyond torch, transformers and accelerate (rlkit.config: omegaconf), as packages.
+CARRIED = ("omegaconf", "antlr4")
+PARTS = ("collectives", "fsdp2", "learner", "e2e", "tests")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -90,6 +95,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--allow-cpu", action="store_true", help="run on CPU when no CUDA device is visible")
     ap.add_argument("--steps", type=int, default=3, help="end-to-end training steps")
     ap.add_argument("--learner-args", default="--samples 16 --prompt-len 256 --response-len 512 --updates 3")
+    ap.add_argument(
+        "--fsdp2-config", default="qwen2.5-0.5b", help="the fsdp2 part's model (bench_learner preset)"
+    )
+    ap.add_argument(
+        "--peak-tflops", type=float, default=None, help="peak of one device for MFU (default: rlkit's)"
+    )
+    ap.add_argument(
+        "--worker", choices=["collectives", "fsdp2"], help=argparse.SUPPRESS
+    )  # a part's own process
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
@@ -138,16 +152,37 @@ def requirement_closure(names=WHEELS, provided=PROVIDED) -> dict[str, list[str]]
     return {n: sorted(d for d in _closure([n]) if d not in covered) for n in names}
 
 
+def carry_python_packages(directory: Path) -> list[str]:
+    """Copy the installed pure-Python packages the `collectives` and `fsdp2` parts need beyond the GPU machine's
+    own (`CARRIED`) into `directory`, import-ready: `PYTHONPATH=<repo>:<directory>` then needs no pip."""
+    import importlib
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in CARRIED:
+        source = Path(importlib.import_module(name).__file__).parent
+        shutil.copytree(
+            source, directory / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return sorted(CARRIED)
+
+
 def prepare(directory: str, pip_args: str = "") -> dict:
-    """pip download (no dependencies: the list is closed, `requirement_closure`) the wheels, and copy the
-    embedded model's tokenizer files."""
+    """pip download (no dependencies: the list is closed, `requirement_closure`) the wheels, copy the packages
+    the learner parts need as folders (`carry_python_packages`) and the embedded model's tokenizer files."""
     out = Path(directory)
     (out / "wheels").mkdir(parents=True, exist_ok=True)
-    pins = [f"{n}=={importlib.metadata.version(n)}" for n in WHEELS]
+    pins = [f"{n}=={importlib.metadata.version(n)}" for n in WHEELS if n not in SOURCE_ONLY]
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(out / "wheels"), *pip_args.split(), *pins],
         check=True,
     )  # fmt: skip
+    sources = [f"{n}=={importlib.metadata.version(n)}" for n in SOURCE_ONLY]  # pure Python: any platform
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-d", str(out / "wheels"), *sources],
+        check=True,
+    )  # fmt: skip
+    carry_python_packages(out / "python")
     sys.path.insert(0, str(REPO))
     from rlkit.models import load_tokenizer
 
@@ -190,6 +225,21 @@ def device_info() -> dict:
             "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(),
         }  # fmt: skip
     return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count()}
+
+
+def run_worker(args, part: str) -> dict:
+    """A part in a process of its own (a process group of one cannot be set up twice in one process)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--worker", part, "--fsdp2-config",
+           args.fsdp2_config, f"--learner-args={args.learner_args}"]  # fmt: skip
+    if args.peak_tflops is not None:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"{part} failed ({done.returncode}): {done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result.get("as_expected") is False:
+        raise RuntimeError(f"{part}: not as expected: {result}")
+    return result
 
 
 def run_learner(args, device: dict) -> dict:
@@ -329,6 +379,8 @@ def run_check(args) -> dict:
         return report
     start = time.perf_counter()
     runners = {
+        "collectives": lambda: run_worker(args, "collectives"),
+        "fsdp2": lambda: run_worker(args, "fsdp2"),
         "learner": lambda: run_learner(args, device),
         "e2e": lambda: run_e2e(args, bundle, device),
         "tests": lambda: run_tests(args),
@@ -351,6 +403,17 @@ def run_check(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.worker:
+        sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+        import gpu_check_parts
+
+        worker = (
+            gpu_check_parts.collectives_worker
+            if args.worker == "collectives"
+            else gpu_check_parts.fsdp2_worker
+        )
+        print(json.dumps(worker(args)))
+        return 0
     if args.prepare:
         print(json.dumps(prepare(args.prepare, args.pip_args), indent=1))
         return 0

@@ -5,3 +5,18 @@ HERE = Path(__file__).resolve().parent
 # Shared test helpers (cfg_helpers.py) import by name from every test folder.
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need a CUDA device by nature (CUDA memory, NCCL, sleep mode): skipped without one."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (the gpu marker); scripts/gpu_check.py runs them there"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

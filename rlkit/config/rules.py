@@ -287,6 +287,31 @@ def _algo_rules(cfg: RLConfig) -> None:
         )
 
 
+def batch_splits(batch: int, group_size: int, mini_batches: int, world: int) -> bool:
+    """Whether `batch` samples split over `world` ranks in whole groups of `group_size`, each rank's share in
+    `mini_batches` equal mini-batches."""
+    return batch % (group_size * world) == 0 and (batch // world) % mini_batches == 0
+
+
+def fitting_worlds(batch: int, group_size: int, mini_batches: int, up_to: int) -> list[int]:
+    """The rank counts from `up_to` down to 1 over which the batch splits (`batch_splits`), largest first."""
+    return [n for n in range(up_to, 0, -1) if batch_splits(batch, group_size, mini_batches, n)]
+
+
+def working_values(batch: int, group_size: int, mini_batches: int, world: int) -> str:
+    """The nearest values that work, for an error message: the batch sizes around `batch` that split over
+    `world` ranks, and the rank counts up to `world` that `batch` splits over."""
+    step = math.lcm(group_size * world, world * mini_batches)
+    below, above = batch // step * step, (batch // step + 1) * step
+    sizes = " or ".join(str(b) for b in (below, above) if b > 0)
+    worlds = fitting_worlds(batch, group_size, mini_batches, world)
+    return (
+        f"with {world} ranks use trainer.train_batch_size={sizes}; with {batch}, use "
+        f"{' or '.join(map(str, worlds[:3]))} ranks (trainer.num_processes, torchrun's --nproc-per-node, or "
+        "fewer visible GPUs)"
+    )
+
+
 def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     """Raise `ConfigError` for a configuration that cannot work; fix up harmless omissions (logged).
 
@@ -324,12 +349,14 @@ def validate(cfg: RLConfig, *, world_size: int = 1) -> None:
     if t.train_batch_size % (r.group_size * world_size):
         raise ConfigError(
             f"trainer.train_batch_size={t.train_batch_size} must be divisible by rollout.group_size x ranks "
-            f"= {r.group_size} x {world_size} (each rank samples whole groups)"
+            f"= {r.group_size} x {world_size} (each rank samples whole groups); "
+            + working_values(t.train_batch_size, r.group_size, a.mini_batches, world_size)
         )
     if (t.train_batch_size // world_size) % a.mini_batches:
         raise ConfigError(
             f"algo.mini_batches={a.mini_batches} must divide the per-rank batch "
-            f"{t.train_batch_size // world_size} (trainer.train_batch_size / ranks)"
+            f"{t.train_batch_size // world_size} (trainer.train_batch_size / ranks); "
+            + working_values(t.train_batch_size, r.group_size, a.mini_batches, world_size)
         )
     if len(t.betas) != 2 or any(b is None or not 0 <= b < 1 for b in t.betas):
         raise ConfigError(f"trainer.betas={list(t.betas)!r} must be two values in [0, 1), e.g. [0.9, 0.999]")

@@ -368,9 +368,9 @@ class TrainerConfig:
     run_dir: str = "runs/${logger.name}"
     """Where metrics.jsonl, checkpoints and the W&B run go."""
     num_processes: Optional[int] = None
-    """Processes to start (null = one per visible GPU, 1 on CPU); >1 on CPU uses gloo."""
+    """Processes to start (null = one per visible GPU, or the most the batch splits over; 1 on CPU); >1 on CPU uses gloo."""
     device: str = "auto"
-    """auto | cpu | cuda."""
+    """auto | cpu | cuda (cpu keeps the learner on the CPU on a machine with GPUs too)."""
     strategy: str = "auto"
     """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True

@@ -220,12 +220,12 @@ def plan_minibatches(
         microbatches(mb, max_tokens, skip_empty=True, packed=packed) if mb is not None else [] for mb in minis
     ]
     local = torch.stack([local_counts(mb, device) for mb in minis])
-    sums = all_reduce(local, world)
+    sums = all_reduce(local, world, device)
     local_max = torch.tensor(
         [[len(ms), mb.response_ids.shape[1] if mb is not None else 0] for ms, mb in zip(micros, minis)],
         device=device,
     )
-    maxes = all_reduce(local_max, world, op=dist.ReduceOp.MAX).tolist()
+    maxes = all_reduce(local_max, world, device, op=dist.ReduceOp.MAX).tolist()
     plans = []
     for ms, s, (count, width) in zip(micros, sums, maxes):
         ms = ms + [padding_micro(batch)] * (max(1, count) - len(ms))

@@ -220,7 +220,10 @@ class Learner:
             rows, t.max_tokens_per_microbatch, packed=t.pack_sequences, skip_empty=skip_empty
         )
         count = all_reduce(
-            torch.tensor([len(micros)], device=self.device), self.world_size, op=dist.ReduceOp.MAX
+            torch.tensor([len(micros)], device=self.device),
+            self.world_size,
+            self.device,
+            op=dist.ReduceOp.MAX,
         )
         micros = micros + [padding_micro(rows)] * (int(count[0]) - len(micros))  # every rank runs as many
         with _eval_mode(self.model, self.value_model):  # scores without dropout (LoRA's): deterministic
@@ -313,7 +316,8 @@ class Learner:
         for k in step_metrics[0]:
             result[k] = torch.stack([s[k] for s in step_metrics]).mean()
         result[NONFINITE_METRIC] = skipped.sum()
-        real, run, flops = all_reduce(torch.tensor(counts, dtype=torch.float64), self.world_size).tolist()
+        counted = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        real, run, flops = all_reduce(counted, self.world_size, self.device).tolist()
         result = {k: v.detach().float().cpu() for k, v in result.items()}
         self._count_skipped(skipped.cpu().tolist())  # already on the host with the metrics: no extra sync
         seconds = time.perf_counter() - start
@@ -435,7 +439,9 @@ class Learner:
         for norm in out.values():
             finite = finite & torch.isfinite(norm.to(self.device))
         if self.world_size > 1:  # every rank skips the same steps (a loss is per rank, a norm global)
-            finite = all_reduce(finite.to(torch.int32), self.world_size, op=dist.ReduceOp.MIN).bool()
+            finite = all_reduce(
+                finite.to(torch.int32), self.world_size, self.device, op=dist.ReduceOp.MIN
+            ).bool()
         skip = ~finite
         out["lr"] = optim.step(self.optimizer, self.scheduler, skip)
         if self.value_model is not None:
@@ -479,7 +485,7 @@ class Learner:
         ]
         local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]
         bad = torch.stack([~torch.isfinite(t.detach()).all() for t in local]).to(torch.int32)
-        bad = all_reduce(bad, self.world_size, op=dist.ReduceOp.MAX).tolist()
+        bad = all_reduce(bad, self.world_size, self.device, op=dist.ReduceOp.MAX).tolist()
         return [name for (name, _), b in zip(named, bad) if b]
 
     def refuse_nonfinite_checkpoint(self, what: str, run_dir: str | Path) -> None:

@@ -5,8 +5,11 @@ on CPU over gloo; the only module that sets accelerate up. `check_config` owns `
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from rlkit.collectives import let_nccl_timeouts_reach_python
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError
 
@@ -19,6 +22,8 @@ DTYPES = (
 )  # model.dtype (float16 would need loss scaling, which the learner does not do)
 # /proc/cpuinfo flags of native bf16: x86 (AVX-512 BF16, AMX), aarch64 (FEAT_BF16)
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+log = logging.getLogger(__name__)
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
@@ -92,10 +97,15 @@ def make_accelerator(cfg):
 
     from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 
-    cuda = torch.cuda.is_available()
+    # trainer.device=cpu keeps the learner on the CPU (gloo) on a machine with GPUs: accelerate's `cpu=True`.
+    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
     # PartialState joins the process group (gloo on CPU) and is shared by the Accelerator built below.
     # A bounded wait in every collective: a stopped rank must not hang the others (gloo and NCCL honour it).
     timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)
+    if cuda and (replaced := let_nccl_timeouts_reach_python()) is not None:
+        log.debug(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=%r -> 2: NCCL timeouts reach rlkit's explanation", replaced
+        )
     world_size = PartialState(cpu=not cuda, timeout=timeout).num_processes
     strategy = resolve_strategy(cfg.trainer.strategy, cuda=cuda, world_size=world_size)
     compute = cfg.model.compute_dtype
@@ -165,7 +175,48 @@ def check_config(cfg) -> None:
         choice("model.compute_dtype", m.compute_dtype, DTYPES)
     choice("trainer.device", t.device, DEVICES)
     choice("trainer.strategy", t.strategy, STRATEGIES)
+    if t.device != "cpu" and not torch.cuda.is_available():
+        check_driver()
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "trainer.device='cuda' but no CUDA device is visible: use trainer.device=cpu or auto"
         )
+
+
+def nvidia_gpus() -> tuple[list[str], str | None]:
+    """(the NVIDIA GPUs the driver lists, its version), from `nvidia-smi` (installed with the driver); ([], None)
+    where it is missing or fails."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return [], None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return [], None
+    rows = [line.rsplit(",", 1) for line in out.splitlines() if "," in line]
+    return [name.strip() for name, _ in rows], (rows[0][1].strip() if rows else None)
+
+
+def check_driver() -> None:
+    """Refuse (ConfigError) a machine whose driver lists NVIDIA GPUs that this torch cannot use: a CUDA build of
+    torch on a driver older than its CUDA version reports no GPU (`torch.cuda.is_available()` is False), so the
+    learner would run on the CPU while vLLM, which finds the GPUs through NVML, dies at CUDA initialisation
+    after loading the model. Called when torch sees no GPU and trainer.device is not cpu."""
+    names, driver = nvidia_gpus()
+    if not names:
+        return
+    built = f"torch {torch.__version__}, built for CUDA {torch.version.cuda}" if torch.version.cuda else (
+        f"torch {torch.__version__}, a CPU-only build"
+    )  # fmt: skip
+    raise ConfigError(
+        f"{len(names)} NVIDIA GPU(s) ({names[0]}) are listed by the driver (version {driver}), but {built} sees "
+        "none (torch.cuda.is_available() is False): the driver is older than this torch's CUDA version, or torch "
+        "is a CPU build. Install a driver for CUDA 13.0 (580 or newer: the CUDA wheels of torch 2.13 and vLLM "
+        "0.32 need it), or torch and vLLM builds for your driver's CUDA version (nvidia-smi's header names it); "
+        "or run on the CPU with trainer.device=cpu"
+    )

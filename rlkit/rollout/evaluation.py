@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from rlkit.algos.evaluation import maj_at_k, pass_at_k, stderr
+from rlkit.collectives import gather_objects
 from rlkit.config.rules import local_path_exists
 from rlkit.config.schema import ConfigError
 from rlkit.rewards import extract_answer
@@ -92,10 +93,7 @@ def evaluate_prompts(producer, prompts, settings: EvalSettings, *, rank: int = 0
         )
         results = _score(producer.scorer, prompts, mine, n, episodes, task_key)
     if world > 1:
-        import torch.distributed as dist
-
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, results)
+        gathered = gather_objects(results, world)
         results = sorted((r for part in gathered for r in part), key=lambda r: r.index)
     return results
 

@@ -34,7 +34,17 @@ from rlkit.weights import Export, push_weights, verify_push
 class LocalRollouts:
     """Engine, prompts, reward scorer and producer of one rank (`rank` of `world` ranks that produce)."""
 
-    def __init__(self, cfg, *, rank: int, world: int, device, tokenizer, reward_dtype=torch.float32):
+    def __init__(
+        self,
+        cfg,
+        *,
+        rank: int,
+        world: int,
+        device,
+        tokenizer,
+        reward_dtype=torch.float32,
+        colocated: bool = True,
+    ):
 
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -60,6 +70,7 @@ class LocalRollouts:
             dtype=cfg.model.dtype,
             device="cpu" if t.device == "cpu" else None,
             seed=t.seed,
+            colocated=colocated,  # False in an async rollout worker: the GPU is the engine's alone
             # In-flight updates (vLLM only): no forward may still be queued when step() returns (CUDA).
             **({"async_scheduling": False} if t.inflight_updates != "off" else {}),
             **r.engine_kwargs,

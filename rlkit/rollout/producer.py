@@ -23,11 +23,11 @@ import dataclasses
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from rlkit.algos.advantages import ESTIMATORS, overlong_penalty, zero_std_groups
 from rlkit.batch import SUMMED_STATS, ScoredBatch
+from rlkit.collectives import all_gather_cat, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import AlgoConfig, ConfigError
 from rlkit.data.loading import load_splits
@@ -316,9 +316,7 @@ class Producer:
                     outgoing[dest].append(self._group(pieces[b], local))
         incoming = {self.rank: outgoing[self.rank]}
         for src in range(self.world) if self.world > 1 else ():
-            box = [None]
-            dist.scatter_object_list(box, outgoing if src == self.rank else None, src=src)
-            incoming[src] = box[0]
+            incoming[src] = scatter_object(outgoing if src == self.rank else None, self.world, src)
         mine = chosen[self.rank * ppr : (self.rank + 1) * ppr]
         taken = {src: iter(groups) for src, groups in incoming.items()}
         return [next(taken[g // ppr]) for _, g in mine]
@@ -348,10 +346,7 @@ class Producer:
         """Concatenate a per-rank [n] CPU tensor over ranks (same n on every rank), in rank order."""
         if self.world == 1:
             return x
-        x = x.to(self.device).contiguous()
-        out = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(out, x)
-        return torch.cat(out).cpu()
+        return all_gather_cat(x, self.world, self.device).cpu()
 
 
 DYNAMIC_SAMPLING = ("off", "refill")  # algo.dynamic_sampling

@@ -12,7 +12,7 @@ One tiny Llama (hidden 128, head_dim 32: vLLM's CPU attention needs >= 32), one 
 
 import pytest
 import torch
-from vllm_import import import_vllm
+from vllm_import import TEST_ENGINE, import_vllm
 
 import_vllm()
 
@@ -44,7 +44,7 @@ def _engine(ckpt, mode, new):
     """An engine whose `between_steps` pushes `new` as version 1 after SWAP_AFTER steps."""
     from rlkit.rollout.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(ckpt, dtype="float32", seed=0, kv_cache_gib=0.1, max_model_len=256)
+    engine = VLLMEngine(ckpt, dtype="float32", seed=0, kv_cache_gib=0.1, max_model_len=256, **TEST_ENGINE)
     calls = []
 
     def between_steps():

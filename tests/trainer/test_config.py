@@ -48,7 +48,8 @@ def test_recipe_overrides_group_choice():
     quick = load_config(_compose(["+recipe=quickstart"]))
     assert quick.model.path == "smollm2-135m" and quick.data.path == "arithmetic"
     # a bf16 engine, bf16 learner compute on fp32 master weights, rollout IS (docs/benchmarks.md)
-    # model.dtype=auto resolves by the CPU (tests/learner/test_auto_dtype.py): both to the same concrete dtype
+    # model.dtype=auto resolves by the machine (the CPU's bf16 flags, or the GPU's: tests/learner/test_auto_dtype.py):
+    # both to the same concrete dtype
     assert quick.rollout.engine == "auto" and quick.model.dtype in ("bfloat16", "float32")
     assert quick.model.compute_dtype == quick.model.dtype and quick.algo.rollout_is.enabled is True
     # fp32 as measured (its teacher need not exist to compose the recipe; load_config would check it)

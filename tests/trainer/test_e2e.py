@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cfg_helpers import as_in_cpu_ci
 
 from rlkit.config.schema import REPO_ROOT
 from rlkit.rundir import latest_checkpoint, write_checksums
@@ -38,28 +39,31 @@ def tiny(tmp_path_factory):
 
 
 def overrides(tiny, run_dir, *extra):
-    return [
-        "+recipe=quickstart_1digit",
-        f"model.path={tiny}",
-        f"trainer.run_dir={run_dir}",
-        "trainer.steps=2",
-        "trainer.train_batch_size=8",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=12",
-        "data.eval_size=4",
-        "data.num_train=64",
-        "data.num_eval=8",
-        "trainer.eval_every=0",
-        "trainer.save_every=0",
-        "trainer.lr=1e-3",
-        "trainer.progress_bar=false",
-        # A response-dependent reward, so the random model gets non-zero advantages.
-        "reward.fn=rlkit_test_rewards:length",
-        "reward.num_workers=1",
-        "algo.mask_zero_std_groups=false",
-        "logger=none",
-        *extra,
-    ]
+    """The tiny run's overrides (on a machine with CUDA, as in CPU CI: cfg_helpers.as_in_cpu_ci)."""
+    return as_in_cpu_ci(
+        [
+            "+recipe=quickstart_1digit",
+            f"model.path={tiny}",
+            f"trainer.run_dir={run_dir}",
+            "trainer.steps=2",
+            "trainer.train_batch_size=8",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=12",
+            "data.eval_size=4",
+            "data.num_train=64",
+            "data.num_eval=8",
+            "trainer.eval_every=0",
+            "trainer.save_every=0",
+            "trainer.lr=1e-3",
+            "trainer.progress_bar=false",
+            # A response-dependent reward, so the random model gets non-zero advantages.
+            "reward.fn=rlkit_test_rewards:length",
+            "reward.num_workers=1",
+            "algo.mask_zero_std_groups=false",
+            "logger=none",
+            *extra,
+        ]
+    )
 
 
 def train(tiny, run_dir, *extra, reward_extra=None):

@@ -93,6 +93,7 @@ def make_engine(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     seed: int = 0,
+    colocated: bool = True,
     **engine_kwargs,
 ) -> RolloutEngine:
     """Build the rollout engine `engine` ("auto", "hf" or "vllm") for `model_path`.
@@ -100,12 +101,14 @@ def make_engine(
     `device` is the HF engine's device (default: this rank's GPU when there is one, else CPU);
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
     (e.g. `kv_cache_gib`, `enforce_eager` or `gpu_memory_utilization` for vLLM, `max_batch_size` for HF).
+    `colocated=False`: the engine has its device to itself (an async rollout worker); vLLM then sizes its memory
+    for that and does not sleep (`rlkit.rollout.engines.vllm_memory.memory_plan`).
     """
     engine = resolve_engine(engine, model_path)
     dtype = torch_dtype(dtype)
     cls = ENGINES[engine]()
     if engine == "vllm":
-        return cls(model_path, dtype=dtype, seed=seed, **engine_kwargs)
+        return cls(model_path, dtype=dtype, seed=seed, colocated=colocated, **engine_kwargs)
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     return cls(model_path, dtype=dtype, device=device, seed=seed, **engine_kwargs)
@@ -164,7 +167,8 @@ def own_keywords() -> dict[str, object]:
     return {
         k: hints.get(k, typing.Any)
         for k, p in params.items()
-        if p.kind is p.KEYWORD_ONLY and k not in ("dtype", "seed")
+        if p.kind is p.KEYWORD_ONLY
+        and k not in ("dtype", "seed", "colocated")  # colocated: rlkit's own choice
     }
 
 

@@ -42,6 +42,7 @@ from rlkit.rollout.engines.base import (
     record_throughput,
 )
 from rlkit.rollout.engines.vllm_logs import quiet_push_logs
+from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
 from rlkit.weights import (
     PushGuard,
@@ -115,34 +116,58 @@ def _launcher_env() -> tuple[int, int]:
     return rank, world
 
 
+# The environment variables that must not outlive the engine's construction: the launcher's, which
+# `_launcher_env` sets for vLLM's external launcher (the training process keeps its own), and LD_PRELOAD, which
+# vLLM's CPU platform extends with libgomp and tcmalloc (vllm/platforms/cpu.py) and every child process (reward
+# and environment workers) would inherit. Everything else vLLM sets it may read again after construction, so it
+# stays: its own VLLM_* settings (e.g. VLLM_USE_BREAKABLE_CUDAGRAPH, vllm/config/vllm.py), TORCHINDUCTOR_CACHE_DIR
+# for later compilations (vllm/compilation/), NCCL_GRAPH_REGISTER for the communicators of its CuMem graph pool.
+RESTORED_ENV = (*_LAUNCHER_KEYS, "LD_PRELOAD")
+
+
 @contextlib.contextmanager
 def contained_side_effects():
-    """Undo what building a `vllm.LLM` does to the training process, once it is built.
+    """Undo what building a `vllm.LLM` does to the training process that it must not keep.
 
-    vLLM 0.32 sets environment variables for its own start-up (the launcher's RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*; VLLM_ENABLE_V1_MULTIPROCESSING=0; on CPU an LD_PRELOAD
-    of libgomp, which every child process such as a reward worker would inherit, and a dozen
-    more), replaces `torch.set_num_threads` with a no-op on CPU, and reseeds torch/numpy/random.
-    None of it is read again after construction in the in-process (external launcher) mode, so the
-    environment, `torch.set_num_threads` and the RNG states are restored exactly.
+    vLLM 0.32 sets environment variables for its own start-up and later use (`RESTORED_ENV` says which are
+    put back as they were; the others stay, vLLM reads them again), replaces `torch.set_num_threads` with a
+    no-op on CPU, and reseeds Python's, numpy's and torch's generators (CPU, and CUDA when it is in use):
+    `torch.set_num_threads` and every RNG state are restored exactly.
     """
     import random
 
     import numpy as np
 
-    env = dict(os.environ)
+    env = {k: os.environ.get(k) for k in RESTORED_ENV}
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     rng = (torch.random.get_rng_state(), np.random.get_state(), random.getstate())
+    # This process's CUDA generator, when it is in use (the learner's device); reading it would otherwise
+    # initialise CUDA here, before vLLM chooses how.
+    cuda_rng = (
+        torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(env)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
         torch.random.set_rng_state(rng[0])
         np.random.set_state(rng[1])
         random.setstate(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+
+
+def _vllm_default(name: str):
+    """The default of vLLM's engine argument `name` (a field of vllm.engine.arg_utils.EngineArgs)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
 
 
 def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
@@ -205,11 +230,12 @@ class VLLMEngine:
 
     Arguments: `model_path` (see `rlkit.models.resolve_model`), `dtype` ("bfloat16", "float16",
     "float32" or a torch dtype), `gpu_memory_utilization` (CUDA: the fraction of the GPU vLLM may take,
-    weights + KV cache; the learner needs the rest), `kv_cache_gib` (the KV cache size in GiB; the
+    weights + KV cache; None = `memory_plan`'s: 0.3 colocated, the learner needs the rest, vLLM's default on a
+    GPU of its own), `colocated` (False for an async rollout worker: see `memory_plan`), `kv_cache_gib` (the KV cache size in GiB; the
     default on CPU is 1, where vLLM would otherwise read `gpu_memory_utilization` as a share of host
     RAM; None on CUDA = sized from `gpu_memory_utilization`), `enforce_eager` (None = True on CPU, where
     compilation costs ~80 s at start-up, False on CUDA), `max_model_len` (None = the model's),
-    `enable_sleep_mode` (None = where vLLM's platform supports it, i.e. CUDA), `sleep_level` (1:
+    `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (1:
     offload weights and drop the KV cache; 2: drop both, weights must be pushed before the next
     generate, which the trainer does after every update anyway), and any other `vllm.LLM` keyword.
 
@@ -227,7 +253,7 @@ class VLLMEngine:
         *,
         dtype: str | torch.dtype = "bfloat16",
         seed: int = 0,
-        gpu_memory_utilization: float = 0.3,
+        gpu_memory_utilization: float | None = None,
         kv_cache_gib: float | None = None,
         enforce_eager: bool | None = None,
         max_model_len: int | None = None,
@@ -235,6 +261,7 @@ class VLLMEngine:
         sleep_level: int = 1,
         max_num_batched_tokens: int = 4096,
         enable_prefix_caching: bool = True,
+        colocated: bool = True,
         **llm_kwargs,
     ):
         from transformers import AutoModelForCausalLM
@@ -252,11 +279,14 @@ class VLLMEngine:
             on_cpu = current_platform.is_cpu()
             if sleep_level not in (1, 2):
                 raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
+            gpu_memory_utilization, enable_sleep_mode = memory_plan(
+                colocated, gpu_memory_utilization, enable_sleep_mode,
+                sleep_available=current_platform.is_sleep_mode_available(),
+                vllm_default=_vllm_default("gpu_memory_utilization"),
+            )  # fmt: skip
             if not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-            if enable_sleep_mode is None:
-                enable_sleep_mode = current_platform.is_sleep_mode_available()
-            elif enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            if enable_sleep_mode and not current_platform.is_sleep_mode_available():
                 raise ValueError(
                     f"rollout.engine_kwargs.enable_sleep_mode=true: vLLM has no sleep mode on its "
                     f"{current_platform.device_type} platform; leave it unset (auto) or false"
@@ -312,10 +342,14 @@ class VLLMEngine:
                 max_num_batched_tokens=max_num_batched_tokens,
                 **llm_kwargs,
             )
+            # Which model runner produced the numbers: vLLM 0.32 runs Model Runner V2 (its own sampler and
+            # log-prob kernel) by default where Triton is (CUDA), V1 elsewhere (the CPU build CI runs).
+            self.model_runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
             log.info(
-                "vLLM engine on %s built in %.1f s (eager=%s, sleep mode=%s, kv cache=%s GiB)",
-                current_platform.device_type, time.perf_counter() - t0, enforce_eager, enable_sleep_mode,
-                kv_cache_gib if kv_cache_gib is not None else "auto",
+                "vLLM engine on %s built in %.1f s (model runner %s, eager=%s, sleep mode=%s, "
+                "gpu_memory_utilization=%s, kv cache=%s GiB)",
+                current_platform.device_type, time.perf_counter() - t0, self.model_runner, enforce_eager,
+                enable_sleep_mode, gpu_memory_utilization, kv_cache_gib if kv_cache_gib is not None else "auto",
             )  # fmt: skip
         self.context = self.llm.llm_engine.model_config.max_model_len
         self.version = 0

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.batch import ScoredBatch
-from rlkit.collectives import free_port
+from rlkit.collectives import StartupGate, broadcast_object, free_port, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import resolve_engine, torch_dtype
@@ -116,8 +116,15 @@ class AsyncRollouts:
 
     def start(self, export: Export, step: int, *, evaluate: bool = False) -> None:
         """Start the workers from the data position of this run (or its checkpoint) and push `step`."""
+        # Ranks 1..N-1 wait outside any collective while rank 0 starts the workers (their engines may compile
+        # and capture graphs for longer than trainer.collective_timeout_s), then all ranks push together.
+        gate = StartupGate(self.rank, self.world, "starts the rollout workers") if self.world > 1 else None
         if self.is_main:
             self._spawn()
+            if gate is not None:
+                gate.open()
+        elif gate is not None:
+            gate.wait()
         self.push(export, step, evaluate=evaluate)
 
     def _spawn(self) -> None:
@@ -257,12 +264,7 @@ class AsyncRollouts:
             if self.is_main:
                 item, dropped = self._next_fresh(step)
                 payload = [(share, item.seconds, dropped) for share in split_scored(item.batch, self.world)]
-            if self.world > 1:
-                box = [None]
-                dist.scatter_object_list(box, payload, src=0)
-                share, seconds, dropped = box[0]
-            else:
-                share, seconds, dropped = payload[0]
+            share, seconds, dropped = scatter_object(payload, self.world)
         for key, value in seconds.items():  # the worker's phases (they overlapped the learner's)
             timers.seconds[key] = timers.seconds.get(key, 0.0) + value
         return dataclasses.replace(share, stats={**share.stats, "staleness/dropped": float(dropped)})
@@ -298,8 +300,9 @@ class AsyncRollouts:
         digests = {} if self.cfg.rollout.verify_push and self.is_main else None
         try:
             stats = send_weights(
-                self.pg, export, self.dtype, is_main=self.is_main, device=send_device, digests=digests
-            )
+                self.pg, export, self.dtype, is_main=self.is_main, device=send_device, digests=digests,
+                timeout_s=self.cfg.trainer.collective_timeout_s, alive=self._raise_if_a_worker_exited,
+            )  # fmt: skip
         except Exception:
             if self.is_main:  # a dead worker breaks the broadcast: name it rather than the transport
                 self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
@@ -319,11 +322,7 @@ class AsyncRollouts:
                 self._receive()
             self.eval_requested.discard(version)
             out = self.evals.pop(version)
-        if self.world > 1:
-            box = [out]
-            dist.broadcast_object_list(box, src=0)
-            out = box[0]
-        return out
+        return broadcast_object(out, self.world)
 
     def checkpoint(self, directory) -> dict:
         """Wait for every granted batch and save the untrained ones: resuming loses and repeats nothing."""
@@ -371,6 +370,34 @@ def check_inflight(cfg) -> None:
         )
 
 
+def check_gpu_layout(t) -> None:
+    """The rollout workers take the last `trainer.rollout_gpus` visible GPUs, the learner processes of this
+    machine the first ones (one each, by LOCAL_RANK): refuse a layout where they would share a GPU. The
+    learner processes are LOCAL_WORLD_SIZE under a launcher (torchrun, accelerate launch, or rlkit's own, which
+    starts visible - rollout_gpus of them); checked on the machine of learner rank 0, where the workers run."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        return
+    if gpus <= t.rollout_gpus:
+        raise ConfigError(
+            f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
+            f"use at most {gpus - 1}"
+        )
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" not in env or int(env.get("RANK", 0)) != int(env.get("LOCAL_RANK", 0)):
+        return  # not launched, or not the machine of rank 0 (its first process has RANK == LOCAL_RANK == 0)
+    local = int(env["LOCAL_WORLD_SIZE"])
+    if local + t.rollout_gpus > gpus:
+        raise ConfigError(
+            f"trainer.mode=async: {local} learner processes on this machine (the launcher's LOCAL_WORLD_SIZE) "
+            f"and trainer.rollout_gpus={t.rollout_gpus} rollout workers need {local + t.rollout_gpus} GPUs, "
+            f"{gpus} visible: the workers would share GPUs {list(range(gpus - t.rollout_gpus, local))} with "
+            f"learner ranks. Start at most {gpus - t.rollout_gpus} processes per machine (torchrun "
+            f"--nproc-per-node {gpus - t.rollout_gpus}), or run `python -m rlkit.train` without a launcher (it "
+            "starts one per GPU the workers leave)"
+        )
+
+
 def check_config(cfg) -> None:
     """The async keys: `trainer.max_staleness`, `trainer.rollout_gpus`, `trainer.inflight_updates` (raises
     ConfigError; warns about an async key set in sync mode)."""
@@ -396,12 +423,7 @@ def check_config(cfg) -> None:
             f"trainer.rollout_gpus = {r.group_size} x {t.rollout_gpus} (each rollout worker samples whole groups)"
         )
     if t.device != "cpu":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus and gpus <= t.rollout_gpus:
-            raise ConfigError(
-                f"trainer.rollout_gpus={t.rollout_gpus} leaves no GPU to train on ({gpus} visible): "
-                f"use at most {gpus - 1}"
-            )
+        check_gpu_layout(t)
     if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
         log.warning(
             "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "

@@ -66,6 +66,23 @@ def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
         os.environ["LOCAL_RANK"] = "0"
 
 
+def join_world(r: int, R: int, device, timeout_s: float) -> None:
+    """Rank `r` of the rollout world of `R` workers (no group for one), its collectives bounded by
+    trainer.collective_timeout_s like the learner's."""
+    if R > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=r, world_size=R, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def worker_rollouts(cfg, r: int, R: int, device) -> LocalRollouts:
+    """Worker `r`'s rollouts. On a GPU the engine is not colocated with a learner: it has the GPU to itself
+    (its memory share and no sleep mode: rlkit.rollout.engines.vllm_memory.memory_plan)."""
+    return LocalRollouts(
+        cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
+        reward_dtype=torch_dtype(cfg.model.dtype), colocated=device.type != "cuda",
+    )  # fmt: skip
+
+
 def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, errors, start: dict) -> None:
     """Entry of rollout worker `r` of `R` (a spawned process; module level so it pickles). `errors` is the
     sending end of this worker's error pipe."""
@@ -82,12 +99,8 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, erro
         # The learner checked the whole config for its ranks (and the batch split over R workers).
         cfg = parse(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
-        if R > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=r, world_size=R)
-        rollouts = LocalRollouts(
-            cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
-            reward_dtype=torch_dtype(cfg.model.dtype),
-        )  # fmt: skip
+        join_world(r, R, device, cfg.trainer.collective_timeout_s)
+        rollouts = worker_rollouts(cfg, r, R, device)
         rollouts.order.position = start["position"]
         results.put(dumps(Ready(r)))
         store = dist.TCPStore("127.0.0.1", ports["bridge"], R + 1, False,

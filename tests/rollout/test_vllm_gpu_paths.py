@@ -1,0 +1,157 @@
+"""What VLLMEngine does around `vllm.LLM` on CUDA, shown on CPU with a recorder in place of the engine
+(issue 44, findings 9, 11 and 13): the memory plan of a colocated engine and of an async worker's, what the
+engine's construction may leave in the process (vLLM's later-use variables) and what it must not (the
+launcher's variables, LD_PRELOAD, every RNG state, the CUDA generator's included), and the model runner."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from rlkit.rollout.engines import make_engine
+from rlkit.rollout.engines import vllm as vllm_engine
+
+pytest.importorskip("vllm")
+
+# What vLLM 0.32 sets while an engine is built and reads again later (vllm/config/vllm.py,
+# vllm/compilation/decorators.py), and what it sets for its start-up only.
+LATER_USE = {
+    "VLLM_USE_BREAKABLE_CUDAGRAPH": "1",
+    "TORCHINDUCTOR_CACHE_DIR": "/tmp/vllm-inductor",
+    "NCCL_GRAPH_REGISTER": "0",
+}
+START_UP = {
+    "RANK": "5",
+    "LOCAL_RANK": "5",
+    "WORLD_SIZE": "8",
+    "MASTER_PORT": "1",
+    "LD_PRELOAD": "/x/libgomp.so",
+}
+
+
+class FakeLLM:
+    """Stands for vllm.LLM: records its keywords and does to the process what building an engine does."""
+
+    built: list = []
+    v2 = True
+
+    def __init__(self, **kwargs):
+        FakeLLM.built.append(kwargs)
+        os.environ.update(LATER_USE | START_UP)
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)  # vLLM's set_random_seed
+        torch.cuda.set_rng_state(torch.full((8,), 7, dtype=torch.uint8))  # current_platform.manual_seed_all
+        config = types.SimpleNamespace(use_v2_model_runner=FakeLLM.v2)
+        self.llm_engine = types.SimpleNamespace(
+            vllm_config=config, model_config=types.SimpleNamespace(max_model_len=512),
+            set_weight_version=lambda v: None,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA generator in use (the learner's device); its state is recorded wherever it is set."""
+    state = {"now": torch.arange(8, dtype=torch.uint8), "set": []}
+
+    def set_rng_state(s, device="cuda"):
+        state["now"] = s.clone()
+        state["set"].append(s.clone())
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": state["now"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    return state
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    import vllm
+
+    FakeLLM.built = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    for key in (*LATER_USE, *START_UP, "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    return FakeLLM
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from rlkit.models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("v"), hidden_size=128, num_layers=1)
+
+
+def test_building_keeps_what_vllm_reads_later_and_restores_the_launchers_variables(
+    fake_llm, fake_cuda, ckpt, monkeypatch
+):
+    monkeypatch.setenv("LD_PRELOAD", "/mine.so")
+    monkeypatch.setenv("RANK", "0")
+    vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25)
+    assert len(fake_llm.built) == 1
+    for key, value in LATER_USE.items():  # vLLM reads these again: they stay
+        assert os.environ.get(key) == value, key
+    assert os.environ["RANK"] == "0" and os.environ["LD_PRELOAD"] == "/mine.so"
+    assert (
+        "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ
+    )
+
+
+def test_building_restores_every_rng_state_the_cuda_generators_included(fake_llm, fake_cuda, ckpt):
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    before = (torch.random.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    cuda_before = fake_cuda["now"].clone()
+    vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25)
+    assert torch.equal(torch.random.get_rng_state(), before[0])
+    assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+    assert torch.equal(fake_cuda["now"], cuda_before) and len(fake_cuda["set"]) == 2  # vLLM's, then ours
+
+
+@pytest.mark.parametrize(("v2", "name"), [(True, "V2"), (False, "V1")])
+def test_the_build_line_names_the_model_runner(fake_llm, fake_cuda, ckpt, caplog, v2, name):
+    fake_llm.v2 = v2
+    with caplog.at_level(logging.INFO, logger="rlkit.rollout.engines.vllm"):
+        engine = vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25)
+    assert engine.model_runner == name
+    assert any(f"model runner {name}" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize(
+    ("colocated", "share", "sleep"), [(True, 0.3, True), (False, 0.92, False)], ids=["colocated", "own-gpu"]
+)
+def test_an_engine_on_a_gpu_of_its_own_neither_sleeps_nor_leaves_the_gpu_empty(colocated, share, sleep):
+    """0.92 stands for vLLM's own default here (the engine reads it from EngineArgs: the make_engine test)."""
+    plan = functools.partial(vllm_engine.memory_plan, vllm_default=0.92)
+    assert plan(colocated, None, None, sleep_available=True) == (share, sleep)
+    # An explicit choice wins; without sleep mode on the platform (CPU) there is none either way.
+    assert plan(colocated, 0.5, True, sleep_available=True) == (0.5, True)
+    assert plan(colocated, None, None, sleep_available=False)[1] is False
+
+
+def test_an_async_worker_on_a_gpu_builds_its_engine_as_not_colocated(monkeypatch, ckpt):
+    from rlkit.config.schema import RLConfig
+    from rlkit.rollout.remote import worker
+
+    made = []
+    monkeypatch.setattr(worker, "LocalRollouts", lambda cfg, **kw: made.append(kw["colocated"]))
+    monkeypatch.setattr(worker, "load_tokenizer", lambda path: None)
+    cfg = RLConfig()
+    cfg.model.dtype = "bfloat16"
+    worker.worker_rollouts(cfg, 0, 2, torch.device("cuda", 0))
+    worker.worker_rollouts(cfg, 0, 2, torch.device("cpu"))
+    assert made == [False, True]
+
+
+def test_make_engine_hands_the_colocation_to_the_vllm_engine(fake_llm, fake_cuda, ckpt):
+    make_engine("vllm", ckpt, dtype="float32", colocated=False, kv_cache_gib=0.25)
+    make_engine("vllm", ckpt, dtype="float32", kv_cache_gib=0.25)
+    # On this (CPU) platform vLLM has no sleep mode; the share is what the plan gives each.
+    assert [b["gpu_memory_utilization"] for b in fake_llm.built] == [0.92, 0.3]
+    assert [b["enable_sleep_mode"] for b in fake_llm.built] == [False, False]
