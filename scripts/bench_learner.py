@@ -26,6 +26,7 @@ CUDA it is `torch.cuda.max_memory_allocated` minus the allocation before the tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import tempfile
@@ -139,13 +140,16 @@ def build_config(name: str):
     )
 
 
-def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int):
-    """Ragged lengths (half to full) so packing and trimming do real work."""
+def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int, fixed: bool = False):
+    """Ragged lengths (half to full) so packing and trimming do real work; `fixed`: every response full
+    (the fixed-length benchmark's shape: bench.py --fixed-length)."""
     from rlkit.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     plens = torch.randint(prompt_len // 2, prompt_len + 1, (n,), generator=g)
     rlens = torch.randint(max(1, response_len // 2), response_len + 1, (n,), generator=g)
+    if fixed:
+        rlens = torch.full((n,), response_len)
     prompt_mask = torch.arange(prompt_len)[None] >= (prompt_len - plens)[:, None]
     response_mask = torch.arange(response_len)[None] < rlens[:, None]
     return TrainBatch(
@@ -180,6 +184,11 @@ def main() -> None:
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the reference model and KL loss")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fixed-length", action="store_true", help="every response --response-len tokens")
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="torch.profiler over the timed updates: print the N ops with the most self CPU time",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -205,7 +214,9 @@ def main() -> None:
     if args.tokens:
         batch = quickstart_batch(args.tokens, config.vocab_size, args.seed)
     else:
-        batch = random_batch(args.samples, args.prompt_len, args.response_len, config.vocab_size, args.seed)
+        batch = random_batch(
+            args.samples, args.prompt_len, args.response_len, config.vocab_size, args.seed, args.fixed_length
+        )
     if args.kl_coef > 0:
         batch = type(batch)(
             **{**batch.tensor_fields(), "ref_logprobs": torch.full(batch.response_ids.shape, -5.0)}
@@ -221,15 +232,23 @@ def main() -> None:
     else:
         sampler = RSSPeak()
         sampler.start()
+    profiler = contextlib.nullcontext()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     start = time.perf_counter()
     reported, flops = [], 0.0
-    for _ in range(args.updates):
-        metrics = learner.update(batch)
-        reported.append(float(metrics["learner/tokens_per_s"]))
-        flops += float(metrics["learner/flops"])
-    if cuda:
-        torch.cuda.synchronize()
+    with profiler as prof:
+        for _ in range(args.updates):
+            metrics = learner.update(batch)
+            reported.append(float(metrics["learner/tokens_per_s"]))
+            flops += float(metrics["learner/flops"])
+        if cuda:
+            torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if args.profile and acc.is_main_process:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
     if cuda:
         added = torch.cuda.max_memory_allocated() - base
         peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB CUDA max_memory_allocated (rank 0)"
