@@ -1,7 +1,8 @@
 # rlkit: the two set-up commands of the README.
 #   make quickstart   install into .venv/ (with vLLM) and train +recipe=quickstart on the CPU (offline, embedded model)
 #   make test         install into .venv/ (with the vllm, bench, docs and ecosystem extras), run ruff, build the docs site
-#                     (mkdocs build --strict) and run the whole test suite
+#                     (mkdocs build --strict) and run the whole test suite (what CI runs)
+#   make test-fast    the unit tests only (not marked slow or gpu): the edit loop, under 2 minutes on 2 cores
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -41,7 +42,7 @@ ARGS ?=
 # `import vllm` ("torchvision::nms does not exist") and `import transformers` (torchaudio fails to load).
 UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 
-.PHONY: install install-test quickstart distill-teacher test lint docs clean
+.PHONY: install install-test quickstart distill-teacher test test-fast lint docs clean
 
 $(VENV)/.core: pyproject.toml
 	$(if $(OLD_DRIVER),$(error the NVIDIA driver supports CUDA $(DRIVER_CUDA) (nvidia-smi), but PyPI's torch $(TORCH_VERSION) \
@@ -90,6 +91,10 @@ docs: install-test
 
 test: install-test lint docs
 	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=30 $(ARGS)
+
+# The fast tier: no trainer runs, no vLLM engine, no second process (tests marked `slow`: tests/conftest.py).
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow and not gpu" $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .site

@@ -2,9 +2,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# Shared test helpers (cfg_helpers.py) import by name from every test folder.
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+# Shared test helpers (cfg_helpers.py, run_helpers.py) import by name from every test folder; the fixture modules
+# of tests/fixtures/ (test reward functions, environments) by name from reward and environment worker processes,
+# which inherit this sys.path (launched subprocesses get it through run_helpers.FIXTURES in PYTHONPATH).
+for path in (HERE / "fixtures", HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 def pytest_collection_modifyitems(config, items):

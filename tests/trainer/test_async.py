@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """Asynchronous training (trainer.mode=async, rlkit/rollout/remote/) on CPU with a tiny random model.
 
 The rollout worker is a real separate process; weights reach it by a gloo broadcast. Tests: staleness 0
@@ -16,7 +16,7 @@ import signal
 
 import pytest
 import torch
-from test_e2e import overrides, read_jsonl, tiny, train  # noqa: F401  (tiny is a fixture)
+from run_helpers import overrides, read_jsonl, tiny, train  # noqa: F401  (tiny is a fixture)
 
 from rlkit.rundir import latest_checkpoint
 
@@ -247,7 +247,7 @@ def test_a_dead_rollout_worker_is_a_loud_error(tiny, tmp_path, monkeypatch):
 def test_two_learner_processes_and_two_rollout_workers_equal_one_and_one(tiny, tmp_path):
     """The launcher's 2 gloo learner ranks (batch scattered by rank 0) and 2 rollout workers (their own
     gloo world, shares merged in rank order) give the metrics of 1 learner + 1 worker."""
-    from test_e2e import _launch
+    from run_helpers import launch
 
     from rlkit.config.schema import REPO_ROOT
 
@@ -255,7 +255,7 @@ def test_two_learner_processes_and_two_rollout_workers_equal_one_and_one(tiny, t
     for name, extra in {"one": [], "two": ["trainer.num_processes=2", "trainer.rollout_gpus=2"]}.items():
         run_dir = tmp_path / name
         common = overrides(tiny, run_dir, "rollout.seed_per_prompt=true", "trainer.max_staleness=1", *ASYNC)
-        _launch(REPO_ROOT, *common, *extra)
+        launch(REPO_ROOT, *common, *extra)
         runs[name] = read_jsonl(run_dir / "metrics.jsonl")
     one, two = runs["one"], runs["two"]
     assert len(one) == len(two) == 3  # the baseline eval, then 2 steps

@@ -14,8 +14,8 @@ run continued in memory, never with a second independent run."""
 
 import pytest
 import torch
+from run_helpers import checkpoint_weights, overrides, train
 from test_async import _step_then_sigterm
-from test_e2e import _weights, overrides, train
 from vllm_import import import_vllm
 
 import_vllm()
@@ -258,5 +258,5 @@ def test_sigterm_with_a_mixed_batch_pending_resumes_as_the_uninterrupted_run(tin
     final = latest_checkpoint(run_dir)
     policy = trainer.learner.accelerator.unwrap_model(trainer.learner.model).state_dict()
     assert final.name == "step_4"
-    for name, tensor in _weights(final).items():
+    for name, tensor in checkpoint_weights(final).items():
         assert torch.equal(tensor, policy[name]), name

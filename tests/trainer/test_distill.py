@@ -5,7 +5,7 @@ sync; a tokenizer mismatch is refused before any model loads."""
 
 import pytest
 import torch
-from test_e2e import _weights, one_and_two_processes, overrides, tiny, train  # noqa: F401
+from run_helpers import checkpoint_weights, one_and_two_processes, overrides, tiny, train  # noqa: F401
 
 from rlkit.algos import advantages as adv
 from rlkit.config.schema import ConfigError
@@ -102,13 +102,13 @@ def test_a_teacher_equal_to_the_student_leaves_the_weights_unchanged(tiny, teach
     )
     assert same[0]["distill/reverse_kl"] == 0 and same[0]["distill/adv_abs"] == 0
     assert same[0]["grad_norm"] == 0
-    after = _weights(tmp_path / "same/checkpoints/step_1")
+    after = checkpoint_weights(tmp_path / "same/checkpoints/step_1")
     assert after.keys() == initial.keys()
     for k in initial:
         assert torch.equal(after[k], initial[k]), k
     other = train(tiny, tmp_path / "other", "trainer.steps=1", "algo.task_coef=0", *_distill(teacher))
     assert other[0]["distill/reverse_kl"] != 0 and other[0]["grad_norm"] > 0
-    moved = _weights(tmp_path / "other/checkpoints/step_1")
+    moved = checkpoint_weights(tmp_path / "other/checkpoints/step_1")
     assert any(not torch.equal(moved[k], initial[k]) for k in initial)
 
 
@@ -134,7 +134,10 @@ def test_two_processes_with_micro_batches_equal_one_process(tiny, teacher, tmp_p
         2: ["trainer.max_tokens_per_microbatch=64", "trainer.strategy=fsdp2"],
     }
     runs = one_and_two_processes(tmp_path, common, keys, extra)
-    w1, w2 = _weights(runs[1] / "checkpoints/step_2"), _weights(runs[2] / "checkpoints/step_2")
+    w1, w2 = (
+        checkpoint_weights(runs[1] / "checkpoints/step_2"),
+        checkpoint_weights(runs[2] / "checkpoints/step_2"),
+    )
     for k in w1:
         # Adam's per-element normalisation: see test_e2e.test_lora_under_fsdp2_with_two_processes_equals_one
         torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=5e-4)
@@ -155,7 +158,10 @@ def test_exact_resume_and_async_equal_sync(tiny, teacher, tmp_path):  # noqa: F8
         for k in keys:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
             assert other[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
-    wa, wb = _weights(tmp_path / "a/checkpoints/step_4"), _weights(tmp_path / "b/checkpoints/step_4")
+    wa, wb = (
+        checkpoint_weights(tmp_path / "a/checkpoints/step_4"),
+        checkpoint_weights(tmp_path / "b/checkpoints/step_4"),
+    )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
 

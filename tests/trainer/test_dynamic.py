@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """Dynamic sampling (refill), overlong filter and soft overlong penalty, end to end on a tiny model.
 
 Expected values come from the data alone: with the `parity` reward a group has spread exactly when its
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from test_e2e import overrides, tiny, train  # noqa: F401  (tiny: the shared model fixture)
+from run_helpers import overrides, tiny, train  # noqa: F401  (tiny: the shared model fixture)
 
 from rlkit.algos.advantages import overlong_penalty
 from rlkit.data.prompts import PromptOrder
@@ -172,7 +172,7 @@ def test_overlong_filter_and_penalty(tiny, tmp_path):
 def test_refill_two_processes_equal_one(tiny, tmp_path):
     """The global batch is filled in global prompt order and split evenly: 2 ranks train on exactly the
     groups 1 rank trains on (per-prompt seeds make the samples independent of the rank count)."""
-    from test_e2e import _launch, read_jsonl
+    from run_helpers import launch, read_jsonl
 
     from rlkit.config.schema import REPO_ROOT
 
@@ -180,8 +180,8 @@ def test_refill_two_processes_equal_one(tiny, tmp_path):
         common = overrides(tiny, run_dir, "rollout.seed_per_prompt=true", *REFILL, "algo.max_gen_batches=3")
         return [*common, "trainer.eval_at_start=false", *extra]
 
-    _launch(REPO_ROOT, *args(tmp_path / "one"))
-    _launch(REPO_ROOT, *args(tmp_path / "two", "trainer.num_processes=2"))
+    launch(REPO_ROOT, *args(tmp_path / "one"))
+    launch(REPO_ROOT, *args(tmp_path / "two", "trainer.num_processes=2"))
     m1, m2 = read_jsonl(tmp_path / "one/metrics.jsonl"), read_jsonl(tmp_path / "two/metrics.jsonl")
     assert len(m1) == len(m2) == 2
     keys = ["reward/mean", "reward/std", "frac_reward_zero_std", "loss/total", "grad_norm", "mismatch/kl"]

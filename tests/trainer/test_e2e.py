@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """End to end on CPU with a tiny random model sharing SmolLM2's tokenizer: `+recipe=quickstart_1digit` for 2 steps,
 an offline W&B run read back from its files, an HF checkpoint, exact resume, an interrupted checkpoint,
 failing reward functions, 2 processes == 1 process, and the launch line from two folders."""
@@ -5,20 +6,24 @@ failing reward functions, 2 processes == 1 process, and the launch line from two
 import dataclasses
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from cfg_helpers import as_in_cpu_ci
+from run_helpers import (  # noqa: F401  (tiny: the session's tiny model fixture)
+    checkpoint_weights,
+    launch,
+    one_and_two_processes,
+    overrides,
+    read_jsonl,
+    tiny,
+    train,
+    weights_dir,
+)  # fmt: skip
 
 from rlkit.config.schema import REPO_ROOT
 from rlkit.rundir import latest_checkpoint, write_checksums
 from rlkit.train import compose, load_config
 from rlkit.trainer import run
-
-HERE = Path(__file__).resolve().parent
 
 # The metric keys the issue asks for on every step (plus a few of ours).
 REQUIRED = [
@@ -28,53 +33,6 @@ REQUIRED = [
     "timing/generate_s", "timing/reward_s", "timing/logprobs_s", "timing/advantages_s", "timing/update_s",
     "timing/weight_push_s", "perf/tokens_per_s", "perf/peak_memory_gb", "reward/errors",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    from rlkit.models import make_tiny_checkpoint
-
-    torch.manual_seed(0)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=2, seed=0)
-
-
-def overrides(tiny, run_dir, *extra):
-    """The tiny run's overrides (on a machine with CUDA, as in CPU CI: cfg_helpers.as_in_cpu_ci)."""
-    return as_in_cpu_ci(
-        [
-            "+recipe=quickstart_1digit",
-            f"model.path={tiny}",
-            f"trainer.run_dir={run_dir}",
-            "trainer.steps=2",
-            "trainer.train_batch_size=8",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=12",
-            "data.eval_size=4",
-            "data.num_train=64",
-            "data.num_eval=8",
-            "trainer.eval_every=0",
-            "trainer.save_every=0",
-            "trainer.lr=1e-3",
-            "trainer.progress_bar=false",
-            # A response-dependent reward, so the random model gets non-zero advantages.
-            "reward.fn=rlkit_test_rewards:length",
-            "reward.num_workers=1",
-            "algo.mask_zero_std_groups=false",
-            "logger=none",
-            *extra,
-        ]
-    )
-
-
-def train(tiny, run_dir, *extra, reward_extra=None):
-    cfg = load_config(compose(overrides(tiny, run_dir, *extra)))
-    if reward_extra is not None:  # import paths do not fit Hydra's dict-key grammar
-        cfg.reward.extra = reward_extra
-    return run(cfg)
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, monkeypatch):
@@ -113,20 +71,6 @@ def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, 
     assert state["step"] == 2 and state["data_position"] == 4 and state["wandb_id"]
 
 
-def _weights_dir(path):
-    """Every tensor of the safetensors files in an HF model directory."""
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _weights(ckpt):
-    return _weights_dir(ckpt / "model")
-
-
 def test_exact_resume_four_steps_equal_two_plus_two(tiny, tmp_path):
     straight = train(tiny, tmp_path / "a", "trainer.steps=4")
     first = train(tiny, tmp_path / "b", "trainer.steps=2")
@@ -143,7 +87,10 @@ def test_exact_resume_four_steps_equal_two_plus_two(tiny, tmp_path):
     for want, got in zip(straight, first + second):
         for k in keys:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
-    wa, wb = _weights(tmp_path / "a/checkpoints/step_4"), _weights(tmp_path / "b/checkpoints/step_4")
+    wa, wb = (
+        checkpoint_weights(tmp_path / "a/checkpoints/step_4"),
+        checkpoint_weights(tmp_path / "b/checkpoints/step_4"),
+    )
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
@@ -188,24 +135,6 @@ def test_failing_reward_functions_are_counted_and_the_run_continues(tiny, tmp_pa
     assert m["reward/errors"] >= m["reward/timeouts"]
 
 
-def _launch(cwd, *args, timeout=600):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
-    # Same thread count in every process: a random model's near-uniform sampling is sensitive to the
-    # summation order of its softmax, which depends on the number of threads.
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlkit.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
 def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, tmp_path):
     """`python -m rlkit.train +recipe=quickstart_1digit ...` from the repo root (1 process) and from another folder
     (2 gloo processes) give the same metrics on the same global batch. With REINFORCE++, whose advantages are
@@ -215,12 +144,12 @@ def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, 
     common = [*overrides(tiny, "X", "rollout.seed_per_prompt=true", "algo.adv_estimator=reinforce_pp")]
     one = tmp_path / "one"
     two = tmp_path / "two"
-    _launch(
+    launch(
         REPO_ROOT, *[o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={one}" for o in common]
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    _launch(
+    launch(
         elsewhere,
         *[o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={two}" for o in common],
         "trainer.num_processes=2",
@@ -476,7 +405,7 @@ def test_lora_run_passes_the_sync_checks_resumes_exactly_and_saves_adapter_and_m
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
     assert abs(straight[0]["rollout/kl"]) < 1e-6 < abs(straight[-1]["rollout/kl"])  # policy leaves the base
     ckpt = tmp_path / "a/checkpoints/step_4"
-    wa, wb = _weights(ckpt), _weights(tmp_path / "b/checkpoints/step_4")
+    wa, wb = checkpoint_weights(ckpt), checkpoint_weights(tmp_path / "b/checkpoints/step_4")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
     # `model/` is the merged model (plain HF), `adapter/` the adapter in peft's format: base + adapter,
@@ -507,7 +436,10 @@ def test_lora_dropout_resumes_exactly_only_with_the_saved_random_states(tiny, tm
     for want, got in zip(straight, first + second):
         for k in keys:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
-    wa, wb = _weights(tmp_path / "a/checkpoints/step_4"), _weights(tmp_path / "b/checkpoints/step_4")
+    wa, wb = (
+        checkpoint_weights(tmp_path / "a/checkpoints/step_4"),
+        checkpoint_weights(tmp_path / "b/checkpoints/step_4"),
+    )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
 
@@ -521,7 +453,7 @@ def test_lora_dropout_resumes_exactly_only_with_the_saved_random_states(tiny, tm
     # Step 3's rollouts come from step 2's weights (identical), its update draws other dropout masks.
     assert forgetful[0]["reward/mean"] == pytest.approx(straight[2]["reward/mean"], rel=1e-5, abs=1e-7)
     assert forgetful[0]["grad_norm"] != pytest.approx(straight[2]["grad_norm"], rel=1e-3)
-    wc = _weights(tmp_path / "c/checkpoints/step_4")
+    wc = checkpoint_weights(tmp_path / "c/checkpoints/step_4")
     assert max((wc[k] - wa[k]).abs().max().item() for k in wa) > 1e-4
 
 
@@ -539,23 +471,6 @@ def test_lora_push_that_drops_the_adapter_is_a_loud_error(tiny, tmp_path, monkey
     monkeypatch.setattr(rlkit.learner.learner, "merged_weights", base_only)
     with pytest.raises(WeightSyncError, match="after the first weight push"):
         train(tiny, tmp_path / "w", *LORA, "trainer.lr=0.05")
-
-
-def one_and_two_processes(tmp_path, common, keys, extra) -> dict[int, Path]:
-    """Launch the overrides `common` (+ `extra[n]`) with 1 and with 2 processes, assert that the `keys` of their
-    2 steps agree (rel 1e-4) and return {n: run directory}."""
-    runs = {}
-    for n in (1, 2):
-        run_dir = tmp_path / f"np{n}"
-        args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
-        _launch(tmp_path, *args, f"trainer.num_processes={n}", *extra[n])
-        runs[n] = run_dir
-    m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
-    assert len(m1) == len(m2) == 2
-    for a, b in zip(m1, m2):
-        for k in keys:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
-    return runs
 
 
 def test_lora_under_fsdp2_with_two_processes_equals_one(tiny, tmp_path):
@@ -606,8 +521,8 @@ def test_a_bf16_engine_beside_an_fp32_learner_holds_every_push_rounded_to_bf16(t
     (theirs,) = held
     assert {v.dtype for v in theirs.values()} == {torch.bfloat16}
     assert pushed == {torch.bfloat16}  # cast by the learner's side (vLLM warns for each tensor it casts)
-    saved = _weights(tmp_path / "b/checkpoints/step_2")
-    initial = _weights_dir(tiny)
+    saved = checkpoint_weights(tmp_path / "b/checkpoints/step_2")
+    initial = weights_dir(tiny)
     for k, v in saved.items():
         assert v.dtype == torch.float32, k
         assert not torch.equal(v, initial[k].float()), k  # trained

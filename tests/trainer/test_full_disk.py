@@ -18,11 +18,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import test_e2e
+import run_helpers
 import torch
-from test_e2e import train
+from run_helpers import train
 
-tiny = test_e2e.tiny  # the tiny model fixture
+tiny = run_helpers.tiny  # the tiny model fixture
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from test_e2e import HERE, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
+from run_helpers import FIXTURES, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
 
 from rlkit.collectives import free_port
 from rlkit.config.schema import REPO_ROOT
@@ -17,7 +17,7 @@ from rlkit.rundir import latest_checkpoint
 def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F811
     one, two = tmp_path / "one", tmp_path / "two"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     args = overrides(tiny, two, "rollout.seed_per_prompt=true", "trainer.strategy=fsdp2")
     port = free_port()

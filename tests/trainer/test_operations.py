@@ -12,20 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
-import test_e2e
+import run_helpers
 import torch
-from test_e2e import overrides, read_jsonl, train
+from run_helpers import FIXTURES, overrides, read_jsonl, train
 
 from rlkit.config.schema import REPO_ROOT
 from rlkit.rundir import latest_checkpoint, write_checksums
 
-HERE = Path(__file__).resolve().parent
-tiny = test_e2e.tiny  # the tiny model fixture
+tiny = run_helpers.tiny  # the tiny model fixture
 
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -116,7 +115,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
     signalled = read_jsonl(run_dir / "metrics.jsonl")
     assert signalled[-1]["reward/errors"] == 0 and signalled[-1]["reward/timeouts"] == 0
     straight_dir = tmp_path / "straight"
-    test_e2e._launch(tmp_path, *overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))
+    run_helpers.launch(tmp_path, *overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))
     straight = read_jsonl(straight_dir / "metrics.jsonl")
     assert [m["step"] for m in straight] == steps
     for want, got in zip(straight[1:], signalled[1:]):

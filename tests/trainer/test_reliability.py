@@ -1,4 +1,4 @@
-"""Reliability (issue #24, items 1 and 3), with the tiny model of test_e2e:
+"""Reliability (issue #24, items 1 and 3), with the tiny model of run_helpers:
 
 - a non-finite loss or gradient norm never reaches the optimizer: the step is skipped and counted, and
   `trainer.max_nonfinite_steps` skipped steps in a row stop the run with an error naming the step;
@@ -23,12 +23,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import test_e2e
+import run_helpers
 import torch
+from run_helpers import read_jsonl, train
 from safetensors.torch import load_file, save_file
-from test_e2e import read_jsonl, train
 
-tiny = test_e2e.tiny  # the tiny model fixture
+tiny = run_helpers.tiny  # the tiny model fixture
 
 
 def _finite_weights(ckpt: Path) -> dict[str, torch.Tensor]:

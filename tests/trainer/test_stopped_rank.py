@@ -9,13 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-import test_e2e
-from test_e2e import overrides, read_jsonl
+import run_helpers
+from run_helpers import FIXTURES, overrides, read_jsonl
 
 from rlkit.config.schema import REPO_ROOT
 
-HERE = Path(__file__).resolve().parent
-tiny = test_e2e.tiny  # the tiny model fixture
+tiny = run_helpers.tiny  # the tiny model fixture
 
 
 def _environ(pid):
@@ -82,7 +81,7 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
         "trainer.eval_at_start=false",
     )  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(

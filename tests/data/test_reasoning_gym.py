@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """reasoning-gym tasks as data and reward: the rewards of a training step are reasoning-gym's own scores
 (recomputed here with its scorer on the same responses), the per-task metrics, the train/eval split, and the
 start-up errors (unknown task, bad task config, missing library)."""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_e2e import tiny  # noqa: F401  (the shared tiny-model fixture)
+from run_helpers import tiny  # noqa: F401  (the shared tiny-model fixture)
 
 from rlkit.config.schema import ConfigError
 from rlkit.data import reasoning_gym as rg_data

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_e2e import overrides, read_jsonl, tiny  # noqa: F401  (tiny: the session's tiny model fixture)
+from run_helpers import overrides, read_jsonl, tiny  # noqa: F401  (tiny: the session's tiny model fixture)
 
 from rlkit.algos.evaluation import pass_at_k
 from rlkit.eval import main_from_config

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_e2e import tiny  # noqa: F401  (the tiny model)
+from run_helpers import tiny  # noqa: F401  (the tiny model)
 from test_episodes import _run, encode, tiny_dir, tok  # noqa: F401  (its tokenizer, a scripted engine)
 
 from rlkit.config.schema import ConfigError, RLConfig
@@ -133,7 +133,7 @@ def test_a_reward_function_returning_a_huge_list_gets_a_short_message_at_once():
 def test_a_run_with_a_memory_hog_that_leaves_processes_finishes_and_counts_it(tiny, tmp_path):  # noqa: F811
     """End to end: every step of every episode leaves 2 sleepers and then leaks memory past a 200 MB cap.
     The run finishes, each episode is an error, and no sleeper is alive after the run."""
-    from test_e2e import train
+    from run_helpers import train
 
     record = tmp_path / "pids"
     metrics = train(

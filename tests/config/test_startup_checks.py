@@ -9,9 +9,9 @@ import subprocess
 import time
 
 import pytest
-import test_e2e
+import run_helpers
 import transformers
-from test_e2e import overrides
+from run_helpers import overrides
 
 from rlkit.config.schema import ConfigError
 from rlkit.data.loading import DataError, load_splits
@@ -19,7 +19,7 @@ from rlkit.data.prompts import build_prompts
 from rlkit.models import load_tokenizer
 from rlkit.train import compose, load_config
 
-tiny = test_e2e.tiny  # the tiny model fixture
+tiny = run_helpers.tiny  # the tiny model fixture
 
 
 def _no_model_loads(monkeypatch):

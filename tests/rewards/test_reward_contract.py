@@ -1,10 +1,10 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """The reward-function contract: dataset columns by name or all of them, batched functions called once
 per batch (per route), routing by a column, and every failing kind (raising, hanging, non-numeric, wrong
 length) counted without stopping anything. Expected values are worked out by hand from the rows."""
 
 import pytest
-from test_e2e import tiny  # noqa: F401  (the shared tiny-model fixture)
+from run_helpers import tiny  # noqa: F401  (the shared tiny-model fixture)
 
 from rlkit.rewards import RewardScorer
 
@@ -78,7 +78,7 @@ def test_training_routes_rewards_by_a_dataset_column(tiny, tmp_path):
     the function its row routes to (by_source gives alpha 10, beta 20; `constant` gives 0.25)."""
     import json
 
-    from test_e2e import overrides
+    from run_helpers import overrides
 
     from rlkit.data.prompts import PromptOrder
     from rlkit.train import compose, load_config

@@ -1,11 +1,11 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """The neural reward model (`reward.model`): batched scores equal transformers' own per-sample forward,
 a model whose score is a known function of the last token scores exactly that, and in training its
 score joins the rule rewards with its weight."""
 
 import pytest
 import torch
-from test_e2e import tiny, train  # noqa: F401
+from run_helpers import tiny, train  # noqa: F401
 
 from rlkit.models import load_tokenizer, make_tiny_checkpoint
 from rlkit.rewards.model import RewardModel

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from rlkit_test_rewards import length_target, lenient
-from test_e2e import overrides, tiny  # noqa: F401
+from run_helpers import overrides, tiny  # noqa: F401
 
 from rlkit.algos import advantages as adv
 from rlkit.rewards import RewardScorer

@@ -1,9 +1,9 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """Multi-turn episodes end to end on the tiny model: observation tokens never trained, exact resume,
 environment errors and timeouts counted, 2 processes == 1 process."""
 
 import pytest
-from test_e2e import REPO_ROOT, _launch, overrides, read_jsonl, tiny, train  # noqa: F401
+from run_helpers import REPO_ROOT, launch, overrides, read_jsonl, tiny, train  # noqa: F401
 
 MULTI = [
     "env.name=rlkit_test_envs:Chatty",
@@ -119,7 +119,7 @@ def test_multi_turn_two_processes_give_the_same_metrics_as_one(tiny, tmp_path):
         args = [
             o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={tmp_path / name}" for o in common
         ]
-        _launch(REPO_ROOT, *args, *extra)
+        launch(REPO_ROOT, *args, *extra)
         runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[1:]
     keys = ["reward/mean", "reward/std", "response_length/mean", "loss/total", "grad_norm", "mismatch/kl"]
     keys += ["env/turns", "reward/env"]

@@ -10,17 +10,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-import test_e2e
+import run_helpers
 import torch
 import transformers
+from run_helpers import overrides
 from safetensors.torch import load_file, save_file
-from test_e2e import overrides
 
 from rlkit.config.schema import ConfigError
 from rlkit.models import load_tokenizer
 from rlkit.train import compose, load_config
 
-tiny = test_e2e.tiny  # the tiny model fixture (the policy)
+tiny = run_helpers.tiny  # the tiny model fixture (the policy)
 
 
 def _distill(path):
@@ -122,7 +122,7 @@ def test_a_teacher_whose_logprobs_overflow_is_named_by_the_nonfinite_error(tiny,
     )
     save_file(weights, big / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NonFiniteError) as e:
-        test_e2e.train(
+        run_helpers.train(
             tiny, tmp_path / "r", "trainer.steps=2", "trainer.max_nonfinite_steps=1", "trainer.eval_at_start=false",
             *_distill(big),
         )  # fmt: skip

@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (the `tiny` fixture is imported from test_e2e and requested by name)
+# ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """Environments of other libraries trained end to end on the tiny model: a verifiers taskset (single-turn, its
 rubric as the reward), a multi-turn verifiers environment (the engine's tokens and log-probs kept across
 turns), a verifiers toolset, a real OpenEnv server on loopback; a missing library names its extra."""
@@ -8,12 +8,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from test_e2e import tiny, train  # noqa: F401
+from run_helpers import FIXTURES, tiny, train  # noqa: F401
 
-HERE = Path(__file__).parent
 COMMON = [
     "data.path=env",
     "data.eval_size=4",
@@ -153,7 +151,7 @@ def openenv_server():
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "rlkit_test_openenv_server:app", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=FIXTURES, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:

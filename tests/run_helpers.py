@@ -1,0 +1,118 @@
+"""What the tests that run the trainer share: the tiny model, the tiny run's overrides, `train`, launching
+`python -m rlkit.train` as a user does, reading metrics and checkpoints back."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cfg_helpers import as_in_cpu_ci
+
+from rlkit.config.schema import REPO_ROOT
+from rlkit.train import compose, load_config
+from rlkit.trainer import run
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+"""Test reward functions and environments (rlkit_test_*.py), imported by name in worker processes: on sys.path
+(tests/conftest.py), and on PYTHONPATH for launched subprocesses."""
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    from rlkit.models import make_tiny_checkpoint
+
+    torch.manual_seed(0)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=2, seed=0)
+
+
+def overrides(tiny, run_dir, *extra):
+    """The tiny run's overrides (on a machine with CUDA, as in CPU CI: cfg_helpers.as_in_cpu_ci)."""
+    return as_in_cpu_ci(
+        [
+            "+recipe=quickstart_1digit",
+            f"model.path={tiny}",
+            f"trainer.run_dir={run_dir}",
+            "trainer.steps=2",
+            "trainer.train_batch_size=8",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=12",
+            "data.eval_size=4",
+            "data.num_train=64",
+            "data.num_eval=8",
+            "trainer.eval_every=0",
+            "trainer.save_every=0",
+            "trainer.lr=1e-3",
+            "trainer.progress_bar=false",
+            # A response-dependent reward, so the random model gets non-zero advantages.
+            "reward.fn=rlkit_test_rewards:length",
+            "reward.num_workers=1",
+            "algo.mask_zero_std_groups=false",
+            "logger=none",
+            *extra,
+        ]
+    )
+
+
+def train(tiny, run_dir, *extra, reward_extra=None):
+    cfg = load_config(compose(overrides(tiny, run_dir, *extra)))
+    if reward_extra is not None:  # import paths do not fit Hydra's dict-key grammar
+        cfg.reward.extra = reward_extra
+    return run(cfg)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def weights_dir(path):
+    """Every tensor of the safetensors files in an HF model directory."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def checkpoint_weights(ckpt):
+    """Every tensor of a checkpoint's HF model."""
+    return weights_dir(ckpt / "model")
+
+
+def launch(cwd, *args, timeout=600):
+    """`python -m rlkit.train ARGS` in a subprocess from `cwd`, as a user launches it; asserts it succeeds."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
+    # Same thread count in every process: a random model's near-uniform sampling is sensitive to the
+    # summation order of its softmax, which depends on the number of threads.
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlkit.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def one_and_two_processes(tmp_path, common, keys, extra) -> dict[int, Path]:
+    """Launch the overrides `common` (+ `extra[n]`) with 1 and with 2 processes, assert that the `keys` of their
+    2 steps agree (rel 1e-4) and return {n: run directory}."""
+    runs = {}
+    for n in (1, 2):
+        run_dir = tmp_path / f"np{n}"
+        args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
+        launch(tmp_path, *args, f"trainer.num_processes={n}", *extra[n])
+        runs[n] = run_dir
+    m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
+    assert len(m1) == len(m2) == 2
+    for a, b in zip(m1, m2):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    return runs
