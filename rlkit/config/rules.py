@@ -113,6 +113,7 @@ RANGES: dict[str, Range] = {
     "reward.model_batch_size": _ge(1),
     "reward.batch_timeout_s": _gt(0),
     "reward.memory_limit_mb": _ge(64),
+    "reward.max_processes": _ge(8),
     "reward.overlong_buffer": _ge(0),
     "reward.overlong_penalty": _ge(0),
     "reward.correct_threshold": ANY_FINITE,

@@ -287,6 +287,9 @@ class RewardConfig:
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each reward worker process (RLIMIT_DATA: heap and anonymous memory); a function over it
     scores 0 (`reward/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/operations.md)."""
+    max_processes: Optional[int] = 8192
+    """Most processes and threads of the reward workers and all they start (a pids cgroup, where one is
+    writable: see docs/operations.md); null = no cap."""
     route_by: Optional[str] = None
     """A dataset column (e.g. data_source) whose value picks each sample's main reward from `routes`."""
     routes: dict[str, str] = field(default_factory=dict)

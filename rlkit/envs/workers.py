@@ -8,9 +8,11 @@ it). A call over its limit, or a worker that dies (os._exit, a segfault, the OOM
 whole process group (and pids cgroup) SIGKILLed and reaped: no thread or process it started outlives it,
 and a call that spins on the CPU cannot hold the trainer's GIL. Any other environment that lived in that worker is lost with it, so its episode ends too
 (counted as an error, with the reason). Workers fork from multiprocessing's fork server (never from the
-trainer, which holds torch threads and maybe CUDA), ignore SIGINT / SIGTERM (the trainer's to handle),
-die with the fork server (PR_SET_PDEATHSIG), which ignores SIGTERM too and exits with the trainer, and are
-closed at the end of the batch, their process groups killed.
+trainer, which holds torch threads and maybe CUDA), catch and drop SIGINT / SIGTERM (the trainer's to
+handle; what they start gets default dispositions), die with the fork server (PR_SET_PDEATHSIG), which
+ignores SIGTERM too and exits with the trainer, and are closed at the end of the batch, their process groups
+killed. Their process groups and cgroups are held by the trainer's reaper (rlkit/rewards/reaper.py), which
+kills them if the trainer dies first.
 
 Containment (`Limits`, rlkit/rewards/containment.py): each worker leads its own session, has
 oom_score_adj 1000 and a memory cap (`env.memory_limit_mb`, RLIMIT_DATA: an allocation over it is a
@@ -37,7 +39,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
-from rlkit.rewards.containment import ProcessCap, bound_output, kill_group, limit_this_worker
+from rlkit.rewards.containment import (
+    ProcessCap,
+    bound_output,
+    default_signals_for_children,
+    kill_group,
+    limit_this_worker,
+)
+from rlkit.rewards.reaper import REAPER
 from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
 
 log = logging.getLogger(__name__)
@@ -117,10 +126,7 @@ DEFAULT_LIMITS = Limits()
 
 
 def _worker_main(conn, spec: str, kwargs: dict, limits: Limits, cgroup: str | None) -> None:
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    default_signals_for_children()  # SIGINT / SIGTERM caught and dropped, SIGQUIT default
     die_with_parent(os.getppid())  # the fork server, which exits when the trainer does
     limit_this_worker(limits.memory_limit_mb, cgroup)
     bound_output(limits.max_output_bytes, f"environment {spec}")
@@ -134,6 +140,7 @@ class _Worker:
         self.cgroup = cgroup
         self.proc = ctx.Process(target=_worker_main, args=(child, spec, kwargs, limits, cgroup), daemon=True)
         self.proc.start()
+        REAPER.hold_group(self.proc.pid)  # killed by the reaper if the trainer dies first
         child.close()
         self.ready = False
         self.busy: EnvCall | None = None
@@ -146,6 +153,7 @@ class _Worker:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
+        REAPER.release_group(self.proc.pid)
         self.conn.close()
 
 
