@@ -23,14 +23,21 @@ def leaves_a_session_and_hangs(prompt, response, answer, record):
     return 1.0
 
 
+def _ignored(pid) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+
+
 def starts_children(prompt, response, answer, record):
-    """Starts an exec'd sleeper and a forked one, records both; 1.0."""
-    child = subprocess.Popen(["sleep", "600"])
+    """Starts an exec'd sleeper and a forked child; each one's ignored signals (SigIgn) go to `record`
+    as `pid mask` lines (the forked child writes its own); 1.0."""
+    child = subprocess.Popen(["sleep", "600"])  # returns once it has exec'd
+    _record(record, [f"{child.pid} {_ignored(child.pid)}"])
     pid = os.fork()
     if pid == 0:
+        _record(record, [f"{os.getpid()} {_ignored(os.getpid())}"])
         time.sleep(600)
         os._exit(0)
-    _record(record, [child.pid, pid])
     return 1.0
 
 
