@@ -142,6 +142,7 @@ RANGES: dict[str, Range] = {
     "env.max_turns": _ge(1),
     "env.max_total_tokens": _ge(1),
     "env.timeout_s": _gt(0),
+    "env.startup_timeout_s": _gt(0),
     "env.memory_limit_mb": _ge(64),
     "env.max_processes": _ge(8),
 }

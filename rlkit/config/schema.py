@@ -321,6 +321,9 @@ class EnvConfig:
     """Cap on an episode's response tokens, model and observation (finish `length`); null = rollout.max_new_tokens."""
     timeout_s: float = 10.0
     """An environment reset or step running longer than this is killed (its worker process) and ends its episode with reward 0 (`env/timeouts`)."""
+    startup_timeout_s: float = 300.0
+    """Limit of reading an environment's dataset (`rows`, data.path=env) in a worker at start-up; over it the
+    worker is killed and the run stops before any model loads, naming env.name."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
     stacks, reserved rather than touched); an allocation over it fails that episode (`env/errors`); null =

@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
+from rlkit.rewards.functions import describe
 from rlkit.rewards.containment import (
     ProcessCap,
     bound_output,
@@ -79,12 +80,24 @@ def _checked_first_messages(out) -> list[dict]:
     return messages
 
 
+def _checked_rows(out) -> list[dict]:
+    if not isinstance(out, (list, tuple)):
+        raise TypeError(f"rows must return a list of dicts, got {describe(out)}")
+    for k, row in enumerate(out):
+        if not isinstance(row, dict):
+            raise TypeError(f"rows()[{k}] must be a dict, got {type(row).__name__}")
+    return [dict(row) for row in out]
+
+
 def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
-    """Run one call on the environments `envs` (id -> object); any failure is the reply's error."""
+    """Run one call on the environments `envs` (id -> object); any failure is the reply's error. `rows` calls
+    the environment class's dataset (`rows(**kwargs)`, data.path=env) and builds no environment."""
     try:
         if call.method == "make":
             envs[call.env] = make_env(spec, kwargs)
             out = getattr(envs[call.env], "stop", ())
+        elif call.method == "rows":
+            out = resolve_env(spec).rows(**kwargs)
         else:
             out = getattr(envs[call.env], call.method)(*call.args)
     except MemoryError:
@@ -96,11 +109,13 @@ def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
     try:
         if call.method == "make":
             value = tuple(str(s) for s in out)
+        elif call.method == "rows":
+            value = _checked_rows(out)
         elif call.method == "reset":
             value = _checked_first_messages(out)
         else:
             value = check_step(out)
-        reply = EnvReply(call.env, True, value, int(getattr(envs[call.env], "tool_calls", 0)))
+        reply = EnvReply(call.env, True, value, int(getattr(envs.get(call.env), "tool_calls", 0)))
         pickle.dumps(reply)  # an unpicklable value fails this call here, not the pipe
         return reply
     except BaseException as e:
@@ -198,8 +213,9 @@ class EnvWorkers:
         timeout_s: float,
         max_workers: int = MAX_WORKERS,
         limits: Limits = DEFAULT_LIMITS,
+        timeout_key: str = "env.timeout_s",
     ):
-        self.timeout_s = timeout_s
+        self.timeout_s, self.timeout_key = timeout_s, timeout_key
         self.start_timeout_s = max(60.0, timeout_s)
         self.limits = limits
         ctx = context(tuple(getattr(resolve_env(spec), "preload", ())))
@@ -288,10 +304,9 @@ class EnvWorkers:
                 elif w in fired:
                     self._receive(w, results)
                 elif w.busy is not None and time.monotonic() >= w.deadline:
-                    results[w.busy.env] = ("timeout", f"{method} ran over env.timeout_s={self.timeout_s:g}s")
-                    self._lose(
-                        w, f"{method} ran over env.timeout_s={self.timeout_s:g}s (worker killed)", results
-                    )
+                    over = f"{method} ran over {self.timeout_key}={self.timeout_s:g}s"
+                    results[w.busy.env] = ("timeout", over)
+                    self._lose(w, f"{over} (worker killed)", results)
                 elif not w.ready and time.monotonic() >= w.deadline:
                     self._lose(w, f"its worker did not start within {self.start_timeout_s:g}s", results)
         return results
@@ -314,6 +329,23 @@ def build_once(spec: str, kwargs: dict, *, timeout_s: float, limits: Limits) -> 
         raise ValueError(
             f"env.name={spec!r} cannot be built with env.kwargs={dict(kwargs)} in a worker: {why}"
         )
+
+
+def rows_in_worker(spec: str, kwargs: dict, *, timeout_s: float, limits: Limits) -> list[dict]:
+    """The dataset of `data.path=env` (the environment class's `rows(**kwargs)`), read in a worker as every
+    other call of an environment is: rows that raise, exit or run over `timeout_s` raise ValueError naming
+    env.name and why; the trainer is untouched."""
+    workers = EnvWorkers(spec, kwargs, 1, timeout_s=timeout_s, limits=limits, timeout_key="env.startup_timeout_s")
+    try:
+        status, value = workers.call("rows", {0: ()})[0]
+    finally:
+        workers.close()
+    if status != "ok":
+        raise ValueError(
+            f"data.path=env: the dataset of env.name={spec!r} (its rows(**env.kwargs), env.kwargs="
+            f"{dict(kwargs)}) cannot be read in a worker: {value}"
+        )
+    return value
 
 
 class LocalEnvs:
