@@ -55,11 +55,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EnvCall:
-    """One call to an environment in its worker: `make` (build it), `reset(row, messages)` or `step(text)`."""
+    """One call to an environment in its worker: `make` (build it), `reset(row, messages)`, `step(text)` or
+    `rows` (the class's dataset). `max_chars` (step): the most characters of an observation that the
+    episode's token budget could hold; a longer one is not sent back (`Oversized`)."""
 
     env: int
     method: str
     args: tuple = ()
+    max_chars: int | None = None
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """In a step's reply, in place of an observation longer than `EnvCall.max_chars`: its size only."""
+
+    chars: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,16 @@ def _checked_rows(out) -> list[dict]:
     return [dict(row) for row in out]
 
 
+def _bounded(step: tuple, max_chars: int | None) -> tuple:
+    """A checked step result with an observation over `max_chars` characters replaced by `Oversized`: it could
+    never fit the episode's budget, so it is refused here, before it crosses the pipe or meets the tokenizer."""
+    obs, reward, done = step
+    if obs is None or max_chars is None:
+        return step
+    chars = sum(len(m["content"]) + len(m["role"]) for m in obs)
+    return (Oversized(chars) if chars > max_chars else obs), reward, done
+
+
 def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
     """Run one call on the environments `envs` (id -> object); any failure is the reply's error. `rows` calls
     the environment class's dataset (`rows(**kwargs)`, data.path=env) and builds no environment."""
@@ -114,7 +134,7 @@ def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
         elif call.method == "reset":
             value = _checked_first_messages(out)
         else:
-            value = check_step(out)
+            value = _bounded(check_step(out), call.max_chars)
         reply = EnvReply(call.env, True, value, int(getattr(envs.get(call.env), "tool_calls", 0)))
         pickle.dumps(reply)  # an unpicklable value fails this call here, not the pipe
         return reply
@@ -281,13 +301,16 @@ class EnvWorkers:
             results[message.env] = ("ok", message.value) if message.ok else ("error", message.value)
             w.busy = None
 
-    def call(self, method: str, args: dict[int, tuple]) -> dict[int, tuple[str, object]]:
+    def call(
+        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None
+    ) -> dict[int, tuple[str, object]]:
         results: dict[int, tuple[str, object]] = {}
         for env, a in args.items():
             if env in self.lost:
                 results[env] = ("error", self.lost[env])
             else:
-                self._home[env].queue.append(EnvCall(env, method, tuple(a)))
+                bound = (max_chars or {}).get(env)
+                self._home[env].queue.append(EnvCall(env, method, tuple(a), bound))
         while any(w.queue or w.busy is not None for w in self._workers):
             self._dispatch()
             limits = [w.deadline for w in self._workers if w.busy is not None or not w.ready]
@@ -357,10 +380,13 @@ class LocalEnvs:
         self.lost: dict[int, str] = {}
         self.tool_calls = [0] * count
 
-    def call(self, method: str, args: dict[int, tuple]) -> dict[int, tuple[str, object]]:
+    def call(
+        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None
+    ) -> dict[int, tuple[str, object]]:
         results = {}
         for env, a in args.items():
-            reply = serve(self._envs, EnvCall(env, method, tuple(a)), self.spec, self.kwargs)
+            call = EnvCall(env, method, tuple(a), (max_chars or {}).get(env))
+            reply = serve(self._envs, call, self.spec, self.kwargs)
             self.tool_calls[env] = reply.tool_calls
             results[env] = ("ok", reply.value) if reply.ok else ("error", reply.value)
         return results
