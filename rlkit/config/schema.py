@@ -428,8 +428,8 @@ class EvalConfig:
     temperature: Optional[float] = None
     """rlkit.eval: sampling temperature, 0 = greedy; null = rollout.eval_temperature."""
     ks: list[int] = field(default_factory=list)
-    """pass@k and maj@k for these k (each <= the samples per prompt; larger ones are left out); empty = 1 and
-    the samples per prompt. In training too (eval/pass@<k>, eval/maj@<k>)."""
+    """pass@k and maj@k for these k (each <= the samples per prompt: a larger one is a start-up error); empty =
+    1 and the samples per prompt. In training too (eval/pass@<k>, eval/maj@<k>)."""
     seeds: list[int] = field(default_factory=list)
     """rlkit.eval: one evaluation per sampling seed (mean and spread over seeds); empty = [trainer.seed],
     which draws what training's evaluation draws."""
@@ -437,7 +437,8 @@ class EvalConfig:
     """A dataset column naming each prompt's task: one row per task in the table (eval/pass@1/<task> in
     training) plus the total; absent column = the total only."""
     output: Optional[str] = None
-    """rlkit.eval: the eval.json to write; null = eval.json in Hydra's output dir (outputs/eval/<date>/<time>)."""
+    """rlkit.eval: the eval.json to write (checked writable at start-up); null = eval.json in Hydra's output dir
+    (outputs/eval/<date>/<time>)."""
 
 
 @dataclass

@@ -358,7 +358,9 @@ def rows_in_worker(spec: str, kwargs: dict, *, timeout_s: float, limits: Limits)
     """The dataset of `data.path=env` (the environment class's `rows(**kwargs)`), read in a worker as every
     other call of an environment is: rows that raise, exit or run over `timeout_s` raise ValueError naming
     env.name and why; the trainer is untouched."""
-    workers = EnvWorkers(spec, kwargs, 1, timeout_s=timeout_s, limits=limits, timeout_key="env.startup_timeout_s")
+    workers = EnvWorkers(
+        spec, kwargs, 1, timeout_s=timeout_s, limits=limits, timeout_key="env.startup_timeout_s"
+    )
     try:
         status, value = workers.call("rows", {0: ()})[0]
     finally:

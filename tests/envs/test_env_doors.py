@@ -29,7 +29,10 @@ def _env_data(name: str, **env) -> RLConfig:
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("ExitingRows", "its worker died (exit code 9)"), ("HangingRows", "rows ran over env.startup_timeout_s=1s")],
+    [
+        ("ExitingRows", "its worker died (exit code 9)"),
+        ("HangingRows", "rows ran over env.startup_timeout_s=1s"),
+    ],
 )
 def test_an_environment_dataset_that_exits_or_hangs_is_a_start_up_error(name, expected):
     start = time.monotonic()
@@ -52,7 +55,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-needs_openenv = pytest.mark.skipif(importlib.util.find_spec("openenv") is None, reason="openenv-core not installed")
+needs_openenv = pytest.mark.skipif(
+    importlib.util.find_spec("openenv") is None, reason="openenv-core not installed"
+)
 
 
 @needs_openenv
@@ -76,6 +81,9 @@ def test_an_openenv_reward_follows_the_one_number_rule():
     async def step(action):
         return SimpleNamespace(reward="0.5", done=True, observation={"prompt": "again"})
 
-    env._loop, env._client = asyncio.new_event_loop(), SimpleNamespace(step=step, close=lambda: asyncio.sleep(0))
+    env._loop, env._client = (
+        asyncio.new_event_loop(),
+        SimpleNamespace(step=step, close=lambda: asyncio.sleep(0)),
+    )
     with pytest.raises(TypeError, match="non-numeric reward: str"):
         check_step(env.step("hello"))

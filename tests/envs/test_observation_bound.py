@@ -38,7 +38,9 @@ def _turn(tok):
 
     def generate(prompts, n, sampling, turn, positions):
         rows = [(ids, [-0.5] * len(ids), "stop") for _ in range(len(prompts) * n)]
-        return rows_to_batch([p for p in prompts for _ in range(n)], rows, ["Let me look it up"] * len(rows), n, EOS)
+        return rows_to_batch(
+            [p for p in prompts for _ in range(n)], rows, ["Let me look it up"] * len(rows), n, EOS
+        )
 
     return generate
 

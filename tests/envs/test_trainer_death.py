@@ -35,7 +35,9 @@ def test_a_sigkilled_trainer_leaves_nothing_its_workers_started_and_no_cgroup(tm
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "rewards"), *sys.path])}
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path)], env=env)
     try:
-        wait_for(lambda: len(recorded(tmp_path / "env")) == 6 and recorded(tmp_path / "reward"), 120, "the steps")
+        wait_for(
+            lambda: len(recorded(tmp_path / "env")) == 6 and recorded(tmp_path / "reward"), 120, "the steps"
+        )
         pids = recorded(tmp_path / "env") + recorded(tmp_path / "reward")
         assert all(map(alive, pids))
         with_cgroups = cgroup_root() is not None
