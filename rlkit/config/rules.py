@@ -114,6 +114,7 @@ RANGES: dict[str, Range] = {
     "reward.batch_timeout_s": _gt(0),
     "reward.memory_limit_mb": _ge(64),
     "reward.max_processes": _ge(8),
+    "reward.max_failed_steps": _ge(0),
     "reward.overlong_buffer": _ge(0),
     "reward.overlong_penalty": _ge(0),
     "reward.correct_threshold": ANY_FINITE,
@@ -145,6 +146,7 @@ RANGES: dict[str, Range] = {
     "env.startup_timeout_s": _gt(0),
     "env.memory_limit_mb": _ge(64),
     "env.max_processes": _ge(8),
+    "env.max_failed_steps": _ge(0),
 }
 
 

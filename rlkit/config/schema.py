@@ -290,6 +290,9 @@ class RewardConfig:
     max_processes: Optional[int] = 8192
     """Most processes and threads of the reward workers and all they start (a pids cgroup, where one is
     writable: see docs/operations.md); null = no cap."""
+    max_failed_steps: int = 3
+    """Stop the run when a reward function fails on every sample of this many steps in a row (0 = never);
+    one failing on more than half a step's samples is warned about once per cause (docs/operations.md)."""
     route_by: Optional[str] = None
     """A dataset column (e.g. data_source) whose value picks each sample's main reward from `routes`."""
     routes: dict[str, str] = field(default_factory=dict)
@@ -331,6 +334,8 @@ class EnvConfig:
     max_processes: Optional[int] = 8192
     """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
     a count of processes in /proc where none is writable: see docs/operations.md); null = no cap."""
+    max_failed_steps: int = 3
+    """Stop the run when every episode fails (env/errors) in this many steps in a row (0 = never)."""
 
 
 @dataclass

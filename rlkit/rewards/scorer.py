@@ -17,7 +17,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlkit.rewards.containment import (
     ProcessCap,
@@ -173,6 +173,11 @@ class Scores:
     timeouts: int
     correct: list[float]
     """1.0 where the main reward function's verdict on the sample is correct (see `correct_when`), else 0.0."""
+    failed: dict[str, int] = field(default_factory=dict)
+    """Per function slot (`per_fn`'s keys): the samples its call failed on (raised, a bad value, a timeout,
+    a crash), each scored 0."""
+    first_error: dict[str, str] = field(default_factory=dict)
+    """Per function slot that failed: the first failure's description."""
 
 
 class RewardScorer:
@@ -308,6 +313,12 @@ class RewardScorer:
         queue = deque(self._tasks(weights, rows))
         results: dict[tuple[str, int], float] = {}
         errors = timeouts = 0
+        failed: dict[str, int] = {}
+        first_error: dict[str, str] = {}
+
+        def fail(slot: str, count: int, why: str) -> None:
+            failed[slot] = failed.get(slot, 0) + count
+            first_error.setdefault(slot, why)
 
         def replace(w: _Worker, why: str, *, timeout: bool = False) -> None:
             nonlocal errors, timeouts
@@ -317,6 +328,7 @@ class RewardScorer:
                 for i in idx:
                     results[(slot, i)] = 0.0
                 errors += len(idx)
+                fail(slot, len(idx), why)
                 timeouts += timeout * len(idx)
             else:
                 log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
@@ -363,6 +375,7 @@ class RewardScorer:
                         for i, (value, err) in zip(idx, message):
                             if err is not None:
                                 errors += 1
+                                fail(slot, 1, err)
                                 log.debug("reward %r failed on sample %d: %s", spec, i, err)
                             results[(slot, i)] = value
                         w.task = None
@@ -380,4 +393,7 @@ class RewardScorer:
                 float(is_correct(self._spec(self.main, rows[i]), v, self.correct_threshold))
                 for i, v in enumerate(per_fn[self.main])
             ]
-        return Scores(total=total, per_fn=per_fn, errors=errors, timeouts=timeouts, correct=correct)
+        return Scores(
+            total=total, per_fn=per_fn, errors=errors, timeouts=timeouts, correct=correct, failed=failed,
+            first_error=first_error,
+        )  # fmt: skip

@@ -77,6 +77,8 @@ class EpisodeBatch:
     """Environment steps that raised or timed out."""
     timeouts: int
     """Of those, the ones that timed out."""
+    first_failure: str = ""
+    """The reason of the first failed episode ("" when none failed)."""
 
 
 def observation_ids(
@@ -310,6 +312,7 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, to
         },
         errors=sum(e.failed is not None for e in episodes),
         timeouts=sum(e.failed == "timeout" for e in episodes),
+        first_failure=next((e.why for e in episodes if e.failed is not None), ""),
     )
 
 

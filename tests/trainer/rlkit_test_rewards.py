@@ -128,3 +128,8 @@ def lenient(prompt, response, answer):
 def huge(prompt, response, answer):
     """Rewards whose batch statistics overflow (the mean and std of 1e308s are inf)."""
     return 1e308 * (len(response) % 2)
+
+
+def always_raising(prompt, response, answer):
+    """Fails on every sample (a reward function that does not fit the data)."""
+    raise KeyError(f"no metadata for answer {answer!r}")
