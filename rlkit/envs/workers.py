@@ -46,6 +46,7 @@ from rlkit.rewards.containment import (
     default_signals_for_children,
     kill_group,
     limit_this_worker,
+    over_shared_memory,
 )
 from rlkit.rewards.reaper import REAPER
 from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
@@ -193,7 +194,9 @@ class _Worker:
 
 
 POLL_S = 0.2
-"""How often the processes of a batch are counted where no pids cgroup caps them (ProcessCap's fallback)."""
+"""How often, while a call runs, the shared memory of a batch's processes is read (`env.memory_limit_mb`:
+RLIMIT_DATA does not count it), and their processes counted where no pids cgroup caps them (ProcessCap's
+fallback)."""
 
 MAX_WORKERS = 64
 """Worker processes of one batch: one per episode up to this many (beyond it, neighbours share one)."""
@@ -316,14 +319,23 @@ class EnvWorkers:
             limits = [w.deadline for w in self._workers if w.busy is not None or not w.ready]
             handles = {w.conn: w for w in self._workers} | {w.proc.sentinel: w for w in self._workers}
             timeout = max(0.0, min(limits) - time.monotonic()) if limits else None
-            if self._cap.counting:  # no pids cgroup: count the workers' processes a few times a second
+            # Polled a few times a second: the workers' processes where no pids cgroup caps them, and the
+            # shared memory RLIMIT_DATA does not count.
+            if self._cap.counting or self.limits.memory_limit_mb is not None:
                 timeout = POLL_S if timeout is None else min(timeout, POLL_S)
             fired = {handles[h] for h in mp_connection.wait(list(handles), timeout=timeout)}
             hog = self._cap.over_cap([w.proc.pid for w in self._workers])
+            shm_pid, shm_mib = over_shared_memory(
+                {w.proc.pid: w.cgroup for w in self._workers}, self.limits.memory_limit_mb
+            ) or (None, 0)
             for w in list(self._workers):
                 if w.proc.pid == hog:
                     cap = self.limits.max_processes
                     self._lose(w, f"its processes passed env.max_processes={cap} (worker killed)", results)
+                elif w.proc.pid == shm_pid:
+                    cap = self.limits.memory_limit_mb
+                    why = f"its shared memory ({shm_mib} MiB) passed env.memory_limit_mb={cap} (worker killed)"
+                    self._lose(w, why, results)
                 elif w in fired:
                     self._receive(w, results)
                 elif w.busy is not None and time.monotonic() >= w.deadline:

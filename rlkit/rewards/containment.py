@@ -172,6 +172,33 @@ def cgroup_members(cgroup: str | None) -> list[int]:
         return []
 
 
+def shared_mib(pid: int) -> int:
+    """The shared memory `pid` has touched, in MiB (RssShmem: shared anonymous mappings such as
+    mmap(-1, n), SysV and POSIX shared memory, tmpfs files it maps); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) >> 10  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def over_shared_memory(workers: dict[int, str | None], limit_mb: int | None) -> tuple[int, int] | None:
+    """(worker pid, MiB) of the first worker (`workers`: pid -> its cgroup) one of whose processes (the
+    worker, and where it has a cgroup, all in it) holds more than `limit_mb` MiB of shared memory; None
+    when none does. RLIMIT_DATA does not count shared memory, so the caller polls this (every POLL_S)."""
+    if limit_mb is None:
+        return None
+    for pid, cgroup in workers.items():
+        for member in {pid, *cgroup_members(cgroup)}:
+            mib = shared_mib(member)
+            if mib > limit_mb:
+                return pid, mib
+    return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
