@@ -39,7 +39,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
-from rlkit.rewards.functions import describe
 from rlkit.rewards.containment import (
     ProcessCap,
     bound_output,
@@ -48,6 +47,7 @@ from rlkit.rewards.containment import (
     limit_this_worker,
     over_shared_memory,
 )
+from rlkit.rewards.functions import describe
 from rlkit.rewards.reaper import REAPER
 from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
 
@@ -334,7 +334,9 @@ class EnvWorkers:
                     self._lose(w, f"its processes passed env.max_processes={cap} (worker killed)", results)
                 elif w.proc.pid == shm_pid:
                     cap = self.limits.memory_limit_mb
-                    why = f"its shared memory ({shm_mib} MiB) passed env.memory_limit_mb={cap} (worker killed)"
+                    why = (
+                        f"its shared memory ({shm_mib} MiB) passed env.memory_limit_mb={cap} (worker killed)"
+                    )
                     self._lose(w, why, results)
                 elif w in fired:
                     self._receive(w, results)

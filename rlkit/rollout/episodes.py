@@ -27,8 +27,8 @@ from torch import Tensor
 
 from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
-from rlkit.envs import SingleTurn, resolve_env
 from rlkit.data.prompts import max_token_chars
+from rlkit.envs import SingleTurn, resolve_env
 from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs, Oversized
 from rlkit.rollout.engines.base import rows_to_batch
 

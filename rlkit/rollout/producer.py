@@ -100,7 +100,9 @@ class Producer:
         # The tasks of a dataset with a `task` column (per-task metrics): the same list on every rank.
         self.task_names = task_names(prompts.rows)
         self.watch = FailureWatch(
-            reward_steps=cfg.reward.max_failed_steps, env_steps=cfg.env.max_failed_steps, env_name=cfg.env.name
+            reward_steps=cfg.reward.max_failed_steps,
+            env_steps=cfg.env.max_failed_steps,
+            env_name=cfg.env.name,
         )
 
     # -- generation ------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ pytest.importorskip("reasoning_gym")
 @pytest.mark.parametrize(
     "tasks, expected",
     [
-        ([{"chain_sum": {"weight": float("inf")}}, "leg_counting"], "data.tasks.chain_sum.weight=inf must be a"),
+        (
+            [{"chain_sum": {"weight": float("inf")}}, "leg_counting"],
+            "data.tasks.chain_sum.weight=inf must be a",
+        ),
         ([{"chain_sum": {"weight": 1e308}}, {"leg_counting": {"weight": 1e308}}], "add up to inf"),
     ],
 )

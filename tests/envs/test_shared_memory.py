@@ -22,4 +22,7 @@ def test_shared_memory_over_the_cap_fails_its_episode_with_the_reason():
 
 
 def test_shared_memory_under_the_cap_is_left_alone():
-    assert _step("SharedSmall", {"mb": 16}, Limits(memory_limit_mb=100), timeout_s=20) == ("ok", (None, 1.0, True))
+    assert _step("SharedSmall", {"mb": 16}, Limits(memory_limit_mb=100), timeout_s=20) == (
+        "ok",
+        (None, 1.0, True),
+    )

@@ -228,8 +228,12 @@ DAMAGED = {  # what is damaged (a copy of the checkpoint, its model/ folder or i
 
 @pytest.mark.parametrize("damage", DAMAGED)
 def test_rlkit_eval_refuses_a_damaged_model_naming_the_file_before_any_model_loads(
-    tiny, trained, tmp_path, monkeypatch, damage
-):  # noqa: F811
+    tiny,  # noqa: F811
+    trained,
+    tmp_path,
+    monkeypatch,
+    damage,
+):
     from rlkit.config.schema import ConfigError
 
     root, data, _ = trained

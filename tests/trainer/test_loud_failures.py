@@ -14,8 +14,10 @@ def test_a_reward_function_failing_on_every_sample_warns_once_and_stops_the_run(
         train(tiny, tmp_path / "run", "trainer.steps=3", "trainer.eval_at_start=false", "data.eval_size=0",
               "reward.fn=rlkit_test_rewards:always_raising")  # fmt: skip
     assert type(e.value).__name__ == "FailingRunError"
-    assert str(e.value).startswith("step 3: reward function 'rlkit_test_rewards:always_raising' failed on every ")
-    assert "(reward.max_failed_steps=3): first error: KeyError: \"no metadata for answer" in str(e.value)
+    assert str(e.value).startswith(
+        "step 3: reward function 'rlkit_test_rewards:always_raising' failed on every "
+    )
+    assert '(reward.max_failed_steps=3): first error: KeyError: "no metadata for answer' in str(e.value)
     warnings = [r.getMessage() for r in caplog.records if "failed on 8 of 8 samples" in r.getMessage()]
     assert len(warnings) == 1 and "step 1" in warnings[0] and "KeyError" in warnings[0]  # once, not per step
 
@@ -25,5 +27,7 @@ def test_an_environment_whose_every_episode_fails_stops_the_run(tiny, tmp_path):
         train(tiny, tmp_path / "run", "trainer.steps=3", "trainer.eval_at_start=false", "data.eval_size=0",
               "env.name=rlkit_test_envs:Misbehaving", "+env.kwargs.how=reset_raise", "data.template=chat",
               "env.max_turns=2")  # fmt: skip
-    assert str(e.value).startswith("step 3: every episode of env.name='rlkit_test_envs:Misbehaving' failed in 3")
+    assert str(e.value).startswith(
+        "step 3: every episode of env.name='rlkit_test_envs:Misbehaving' failed in 3"
+    )
     assert "first reason: reset raised RuntimeError: reset boom" in str(e.value)
