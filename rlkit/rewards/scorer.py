@@ -180,6 +180,35 @@ class Scores:
     """Per function slot that failed: the first failure's description."""
 
 
+@dataclass
+class _Tally:
+    """One `score` call's results by (slot, sample) and its failures."""
+
+    results: dict = field(default_factory=dict)
+    errors: int = 0
+    timeouts: int = 0
+    failed: dict = field(default_factory=dict)
+    first_error: dict = field(default_factory=dict)
+
+    def fail(self, slot: str, idx, why: str, *, timeout: bool = False) -> None:
+        """Samples `idx` of `slot` score 0, counted (in `timeouts` too when `timeout`)."""
+        for i in idx:
+            self.results[(slot, i)] = 0.0
+        self.errors += len(idx)
+        self.timeouts += timeout * len(idx)
+        self.failed[slot] = self.failed.get(slot, 0) + len(idx)
+        self.first_error.setdefault(slot, why)
+
+    def record(self, task: tuple, message: list) -> None:
+        """A worker's answer to `task` (slot, function, sample indices): (value, error or None) per sample."""
+        slot, spec, idx = task
+        for i, (value, err) in zip(idx, message):
+            if err is not None:
+                self.fail(slot, (i,), err)
+                log.debug("reward %r failed on sample %d: %s", spec, i, err)
+            self.results[(slot, i)] = value
+
+
 class RewardScorer:
     """Scores samples with a weighted sum of reward functions (see the module doc for the contract).
 
@@ -311,37 +340,7 @@ class RewardScorer:
         weights = {k: w for k, w in self.weights.items() if only is None or k in only}
         rows = rows if rows is not None else [{}] * len(responses)
         queue = deque(self._tasks(weights, rows))
-        results: dict[tuple[str, int], float] = {}
-        errors = timeouts = 0
-        failed: dict[str, int] = {}
-        first_error: dict[str, str] = {}
-
-        def fail(slot: str, count: int, why: str) -> None:
-            failed[slot] = failed.get(slot, 0) + count
-            first_error.setdefault(slot, why)
-
-        def replace(w: _Worker, why: str, *, timeout: bool = False) -> None:
-            nonlocal errors, timeouts
-            if w.task is not None:
-                slot, spec, idx = w.task
-                log.warning("reward %r %s on sample(s) %s: scored 0", spec, why, list(idx))
-                for i in idx:
-                    results[(slot, i)] = 0.0
-                errors += len(idx)
-                fail(slot, len(idx), why)
-                timeouts += timeout * len(idx)
-            else:
-                log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
-            if not w.ready:
-                self._start_failures += 1
-                if self._start_failures >= 3:
-                    raise RuntimeError(
-                        f"reward workers fail to start ({why}, {self._start_failures} times in a row): "
-                        f"check that reward.fn / reward.extra import in a fresh process"
-                    )
-            w.kill()
-            self._workers[self._workers.index(w)] = self._spawn()
-
+        tally = _Tally()
         while queue or any(w.task is not None for w in self._workers):
             self._workers += [self._spawn() for _ in range(self.num_workers - len(self._workers))]
             for w in self._workers:
@@ -366,34 +365,49 @@ class RewardScorer:
                     message = read_reply(w.conn)
                     if message is None:  # the sentinel fired or the pipe broke: the worker is dead
                         w.proc.join(timeout=10)
-                        replace(w, f"crashed (worker {exit_reason(w.proc.exitcode)})")
+                        self._replace(w, f"crashed (worker {exit_reason(w.proc.exitcode)})", tally)
                     elif message == "ready":
                         w.ready = True
                         self._start_failures = 0
                     else:
-                        slot, spec, idx = w.task
-                        for i, (value, err) in zip(idx, message):
-                            if err is not None:
-                                errors += 1
-                                fail(slot, 1, err)
-                                log.debug("reward %r failed on sample %d: %s", spec, i, err)
-                            results[(slot, i)] = value
+                        tally.record(w.task, message)
                         w.task = None
                 elif (w.task is not None or not w.ready) and time.monotonic() >= w.deadline:
                     limit = self.start_timeout_s
                     if w.ready:
                         limit = self.batch_timeout_s if is_batched(w.task[1]) else self.timeout_s
-                    replace(w, f"timed out after {limit:.1f}s", timeout=w.ready)
+                    self._replace(w, f"timed out after {limit:.1f}s", tally, timeout=w.ready)
         self._kill_leftovers()
-        per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
-        total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]
-        correct = [0.0] * len(responses)
+        return self._scores(tally, weights, rows, len(responses))
+
+    def _replace(self, w: _Worker, why: str, tally: _Tally, *, timeout: bool = False) -> None:
+        """Kill worker `w` (its task scores 0, counted) and start another in its place."""
+        if w.task is not None:
+            slot, spec, idx = w.task
+            log.warning("reward %r %s on sample(s) %s: scored 0", spec, why, list(idx))
+            tally.fail(slot, idx, why, timeout=timeout)
+        else:
+            log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
+        if not w.ready:
+            self._start_failures += 1
+            if self._start_failures >= 3:
+                raise RuntimeError(
+                    f"reward workers fail to start ({why}, {self._start_failures} times in a row): "
+                    f"check that reward.fn / reward.extra import in a fresh process"
+                )
+        w.kill()
+        self._workers[self._workers.index(w)] = self._spawn()
+
+    def _scores(self, tally: _Tally, weights: dict[str, float], rows: Sequence[dict], n: int) -> Scores:
+        per_fn = {name: [tally.results[(name, i)] for i in range(n)] for name in weights}
+        total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(n)]
+        correct = [0.0] * n
         if self.main in per_fn:
             correct = [
                 float(is_correct(self._spec(self.main, rows[i]), v, self.correct_threshold))
                 for i, v in enumerate(per_fn[self.main])
             ]
         return Scores(
-            total=total, per_fn=per_fn, errors=errors, timeouts=timeouts, correct=correct, failed=failed,
-            first_error=first_error,
+            total=total, per_fn=per_fn, errors=tally.errors, timeouts=tally.timeouts, correct=correct,
+            failed=tally.failed, first_error=tally.first_error,
         )  # fmt: skip
