@@ -79,14 +79,15 @@ def _merge_adapter(adapter: Path, base: str | None, out: Path) -> str:
 
 
 def check_eval_model(spec: str) -> None:
-    """Before any model loads, trust only what verifies: a training checkpoint (`step_<k>` or its `model/`) is
-    checked as resume checks it (every file against `checksums.json`, the weights finite); a model or adapter
-    folder's configs must parse and its safetensors weights be readable and finite. Raises ConfigError
-    naming eval.model and the first bad file."""
+    """Before any model loads, trust only what verifies: a training checkpoint (`step_<k>`, its `model/` or
+    `adapter/`) is checked as resume checks it (every file against `checksums.json`, the weights finite); a
+    model or adapter folder's configs must parse and its safetensors weights be readable and finite. Raises
+    ConfigError naming eval.model and the first bad file."""
     p = Path(spec).expanduser()
     if not p.is_dir():
         return  # a hub id or a short name
-    checkpoint = p.parent if p.name == "model" and (p.parent / CHECKSUMS).exists() else p
+    inside = p.name in ("model", "adapter") and (p.parent / CHECKSUMS).exists()  # a checkpoint's folder
+    checkpoint = p.parent if inside else p
     if (checkpoint / CHECKSUMS).exists() or (checkpoint / TRAINER_STATE).exists():
         problem = check_checkpoint(checkpoint)
         where = f"checkpoint {checkpoint}"
@@ -106,8 +107,6 @@ def resolve_eval_model(spec: str, base: str | None, workdir: Path) -> tuple[str,
         if (p / "model").is_dir() and not (p / "config.json").exists():  # a training checkpoint step_<k>
             p = p / "model"
         if (p / "adapter_config.json").exists():
-            if (bad := model_folder_problem(p)) is not None:  # the adapter in a checkpoint's model/ folder
-                raise ConfigError(f"eval.model={spec!r}: adapter folder {p} is not usable: {bad}")
             merged = workdir / "merged"
             identity["adapter"] = str(p.resolve())
             identity["adapter_sha256"] = weights_sha256(p)
