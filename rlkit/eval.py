@@ -36,6 +36,7 @@ from rlkit.config.schema import CONFIG_DIR, ConfigError, RLConfig, register_conf
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model
 from rlkit.rollout.evaluation import EvalSettings, default_ks, per_prompt, summarize
 from rlkit.rollout.local import LocalRollouts
+from rlkit.rundir import CHECKSUMS, TRAINER_STATE, check_checkpoint, model_folder_problem
 from rlkit.train import load_config
 
 __all__ = ["evaluate_model", "main", "model_identity", "resolve_eval_model", "weights_sha256"]
@@ -77,8 +78,29 @@ def _merge_adapter(adapter: Path, base: str | None, out: Path) -> str:
     return base
 
 
+def check_eval_model(spec: str) -> None:
+    """Before any model loads, trust only what verifies: a training checkpoint (`step_<k>`, its `model/` or
+    `adapter/`) is checked as resume checks it (every file against `checksums.json`, the weights finite); a
+    model or adapter folder's configs must parse and its safetensors weights be readable and finite. Raises
+    ConfigError naming eval.model and the first bad file."""
+    p = Path(spec).expanduser()
+    if not p.is_dir():
+        return  # a hub id or a short name
+    inside = p.name in ("model", "adapter") and (p.parent / CHECKSUMS).exists()  # a checkpoint's folder
+    checkpoint = p.parent if inside else p
+    if (checkpoint / CHECKSUMS).exists() or (checkpoint / TRAINER_STATE).exists():
+        problem = check_checkpoint(checkpoint)
+        where = f"checkpoint {checkpoint}"
+    else:
+        problem = model_folder_problem(p)
+        where = f"folder {p}"
+    if problem is not None:
+        raise ConfigError(f"eval.model={spec!r}: {where} is not usable: {problem}")
+
+
 def resolve_eval_model(spec: str, base: str | None, workdir: Path) -> tuple[str, dict]:
     """(the model folder or hub id the engine loads, its identity for eval.json) of `eval.model`."""
+    check_eval_model(spec)
     p = Path(spec).expanduser()
     identity: dict = {"spec": spec}
     if p.is_dir():
@@ -210,14 +232,26 @@ def evaluate_model(cfg: RLConfig, output: str | Path) -> dict:
         ],
         "config": to_dict(cfg),
     }
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_no_nan(report), indent=1))
+    # Printed first: a failing write (checked at start-up, but a disk can fill) loses no result.
     print(f"model: {identity.get('path')} (weights sha256 {str(identity.get('weights_sha256'))[:16]}...)")
     print(f"{len(per_seed[0])} prompts x {n} samples, temperature {temperature}, seeds {seeds}")
     print(format_table(metrics, ks))
-    print(f"eval.json: {out}")
+    _write_report(report, Path(output))
     return report
+
+
+def _write_report(report: dict, out: Path) -> None:
+    """Write eval.json; when that fails, write it to a temporary file instead, say where, and raise."""
+    text = json.dumps(_no_nan(report), indent=1)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as e:
+        with tempfile.NamedTemporaryFile("w", prefix="rlkit-eval-", suffix=".json", delete=False) as f:
+            f.write(text)
+        print(f"eval.json: could not write {out} ({e}); the report is in {f.name}")
+        raise OSError(f"eval.output: could not write {out} ({e}); the report was written to {f.name}") from e
+    print(f"eval.json: {out}")
 
 
 def _no_nan(x):

@@ -222,12 +222,17 @@ def _weight_files(checkpoint: Path) -> list[Path]:
 def nonfinite_weights(checkpoint: str | Path) -> str | None:
     """The first `file: tensor` of the checkpoint's weights holding NaN or inf (or a file that is not
     readable safetensors), or None."""
+    return damaged_weights(_weight_files(Path(checkpoint)), Path(checkpoint))
+
+
+def damaged_weights(files: list[Path], root: Path) -> str | None:
+    """The first of the safetensors `files` (named relative to `root`) that is not readable (empty,
+    truncated, a damaged header) or holds NaN or inf, as `file: why`; None when all are sound."""
     import torch
     from safetensors import SafetensorError, safe_open
 
-    checkpoint = Path(checkpoint)
-    for path in _weight_files(checkpoint):
-        rel = path.relative_to(checkpoint)
+    for path in files:
+        rel = path.relative_to(root)
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -236,6 +241,31 @@ def nonfinite_weights(checkpoint: str | Path) -> str | None:
                         return f"{rel}: tensor {name} holds NaN or inf"
         except (SafetensorError, OSError) as e:
             return f"{rel} is not readable safetensors ({e})"
+    return None
+
+
+def model_folder_problem(folder: str | Path) -> str | None:
+    """What makes a model or adapter folder unusable (its `*.json` configs that do not parse, its
+    `*.safetensors` weights that are unreadable or not finite), naming the file; None when sound."""
+    folder = Path(folder)
+    for config in sorted(folder.glob("*.json")):
+        try:
+            json.loads(config.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            return f"{config.name} is not valid JSON ({type(e).__name__}: {e})"
+    return damaged_weights(sorted(folder.glob("*.safetensors")), folder)
+
+
+def unwritable_file(path: Path) -> str | None:
+    """Why the file `path` could not be written (its folder, or the nearest one above that exists, is not
+    writable, or a part of it is a file), or None; the kernel is asked (`access(2)`), nothing is written."""
+    target = path.parent
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    if not target.is_dir():
+        return f"{target} is a file, not a directory"
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"{target} is not writable"
     return None
 
 

@@ -114,6 +114,8 @@ RANGES: dict[str, Range] = {
     "reward.model_batch_size": _ge(1),
     "reward.batch_timeout_s": _gt(0),
     "reward.memory_limit_mb": _ge(64),
+    "reward.max_processes": _ge(8),
+    "reward.max_failed_steps": _ge(0),
     "reward.overlong_buffer": _ge(0),
     "reward.overlong_penalty": _ge(0),
     "reward.correct_threshold": ANY_FINITE,
@@ -142,8 +144,10 @@ RANGES: dict[str, Range] = {
     "env.max_turns": _ge(1),
     "env.max_total_tokens": _ge(1),
     "env.timeout_s": _gt(0),
+    "env.startup_timeout_s": _gt(0),
     "env.memory_limit_mb": _ge(64),
     "env.max_processes": _ge(8),
+    "env.max_failed_steps": _ge(0),
 }
 
 

@@ -287,6 +287,12 @@ class RewardConfig:
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each reward worker process (RLIMIT_DATA: heap and anonymous memory); a function over it
     scores 0 (`reward/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/operations.md)."""
+    max_processes: Optional[int] = 8192
+    """Most processes and threads of the reward workers and all they start (a pids cgroup, where one is
+    writable: see docs/operations.md); null = no cap."""
+    max_failed_steps: int = 3
+    """Stop the run when a reward function fails on every sample of this many steps in a row (0 = never);
+    one failing on more than half a step's samples is warned about once per cause (docs/operations.md)."""
     route_by: Optional[str] = None
     """A dataset column (e.g. data_source) whose value picks each sample's main reward from `routes`."""
     routes: dict[str, str] = field(default_factory=dict)
@@ -318,6 +324,9 @@ class EnvConfig:
     """Cap on an episode's response tokens, model and observation (finish `length`); null = rollout.max_new_tokens."""
     timeout_s: float = 10.0
     """An environment reset or step running longer than this is killed (its worker process) and ends its episode with reward 0 (`env/timeouts`)."""
+    startup_timeout_s: float = 300.0
+    """Limit of reading an environment's dataset (`rows`, data.path=env) in a worker at start-up; over it the
+    worker is killed and the run stops before any model loads, naming env.name."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
     stacks, reserved rather than touched); an allocation over it fails that episode (`env/errors`); null =
@@ -325,6 +334,8 @@ class EnvConfig:
     max_processes: Optional[int] = 8192
     """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
     a count of processes in /proc where none is writable: see docs/operations.md); null = no cap."""
+    max_failed_steps: int = 3
+    """Stop the run when every episode fails (env/errors) in this many steps in a row (0 = never)."""
 
 
 @dataclass
@@ -422,8 +433,8 @@ class EvalConfig:
     temperature: Optional[float] = None
     """rlkit.eval: sampling temperature, 0 = greedy; null = rollout.eval_temperature."""
     ks: list[int] = field(default_factory=list)
-    """pass@k and maj@k for these k (each <= the samples per prompt; larger ones are left out); empty = 1 and
-    the samples per prompt. In training too (eval/pass@<k>, eval/maj@<k>)."""
+    """pass@k and maj@k for these k (each <= the samples per prompt: a larger one is a start-up error); empty =
+    1 and the samples per prompt. In training too (eval/pass@<k>, eval/maj@<k>)."""
     seeds: list[int] = field(default_factory=list)
     """rlkit.eval: one evaluation per sampling seed (mean and spread over seeds); empty = [trainer.seed],
     which draws what training's evaluation draws."""
@@ -431,7 +442,8 @@ class EvalConfig:
     """A dataset column naming each prompt's task: one row per task in the table (eval/pass@1/<task> in
     training) plus the total; absent column = the total only."""
     output: Optional[str] = None
-    """rlkit.eval: the eval.json to write; null = eval.json in Hydra's output dir (outputs/eval/<date>/<time>)."""
+    """rlkit.eval: the eval.json to write (checked writable at start-up); null = eval.json in Hydra's output dir
+    (outputs/eval/<date>/<time>)."""
 
 
 @dataclass

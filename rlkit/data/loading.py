@@ -152,11 +152,14 @@ def load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
 
 
 def check_data(cfg) -> None:
-    """Load local data (files, a directory, the arithmetic set: `load_splits`) in the preflight, so that a
-    data error (a malformed or empty file, a missing column, no usable row, data.eval_size too large) stops
-    the run before any model loads. A hub dataset is left to the rollout side, which downloads it once."""
+    """Load local data (files, a directory, the arithmetic set, an environment's dataset: `load_splits`) in
+    the preflight, so that a data error (a malformed or empty file, a missing column, no usable row,
+    data.eval_size too large, an environment's `rows` that raises, exits or hangs) stops the run before any
+    model loads. A hub dataset is left to the rollout side, which downloads it once."""
     d = cfg.data
-    if d.path == ARITHMETIC or Path(d.path).expanduser().exists():
+    if d.path == ENV:
+        load_splits(d, seed=cfg.trainer.seed, env=cfg.env)
+    elif d.path == ARITHMETIC or Path(d.path).expanduser().exists():
         load_splits(d, seed=cfg.trainer.seed)
 
 
@@ -167,7 +170,11 @@ def _load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
     if path == ENV:
         if env is None:
             raise DataError("data.path=env needs the env.* config (the environment gives the rows)")
-        ds = datasets.DatasetDict({cfg.train_split: datasets.Dataset.from_list(environment_rows(env))})
+        try:
+            rows = environment_rows(env)  # in an environment worker
+        except ValueError as e:
+            raise DataError(str(e)) from e
+        ds = datasets.DatasetDict({cfg.train_split: datasets.Dataset.from_list(rows)})
         return _split(ds, cfg, {}, f"env.name={env.name}", seed)
     if path == ARITHMETIC:
         path = str(

@@ -65,11 +65,17 @@ def max_prompt_chars(tokenizer, cfg: DataConfig) -> int | None:
     so a question longer than `max_prompt_tokens` x that cannot fit in any template; x2 is a margin for a
     normalizer that drops characters before tokenizing. Such a row is dropped without being tokenized, which
     for a 50 MB row would take minutes."""
+    longest = max_token_chars(tokenizer)
+    return None if longest is None else 2 * cfg.max_prompt_tokens * longest
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The characters of the tokenizer's longest vocabulary entry (the most text one token can stand for, see
+    `max_prompt_chars`), or None when it has no vocabulary to measure."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if get_vocab is None:
         return None
-    longest = max((len(t) for t in get_vocab()), default=1)
-    return 2 * cfg.max_prompt_tokens * max(longest, 1)
+    return max(max((len(t) for t in get_vocab()), default=1), 1)
 
 
 def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -> PromptSet:

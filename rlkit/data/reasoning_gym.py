@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -106,14 +107,18 @@ def check_tasks(tasks) -> None:
         if name in seen:
             raise ConfigError(f"data.tasks: {name!r} is listed twice")
         seen.add(name)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ConfigError(f"data.tasks.{name}.weight={weight!r} must be a positive number")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ConfigError(f"data.tasks.{name}.weight={weight!r} must be a positive finite number")
         try:
             rg.create_dataset(name, **config, size=1, seed=0)
         except Exception as e:  # reasoning-gym raises TypeError / AssertionError / ValueError
             raise ConfigError(
                 f"data.tasks.{name}: bad reasoning-gym config {config}: {type(e).__name__}: {e}"
             ) from e
+    total = sum(float(weight) for _, weight, _ in specs)
+    if not math.isfinite(total):  # reasoning-gym's composite refuses it only once the data is generated
+        shown = {name: weight for name, weight, _ in specs}
+        raise ConfigError(f"data.tasks: the weights {shown} add up to {total}: they must have a finite total")
 
 
 @functools.cache

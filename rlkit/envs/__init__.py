@@ -29,20 +29,22 @@ from rlkit.config.schema import ConfigError
 from rlkit.envs import openenv_env, verifiers_env
 from rlkit.envs.base import ADAPTERS, ENVIRONMENTS, Environment, SingleTurn, make_env, resolve_env
 from rlkit.envs.calculator import Calculator
-from rlkit.envs.workers import build_once, limits_of
+from rlkit.envs.workers import build_once, limits_of, rows_in_worker
 
 ADAPTERS.update(verifiers=verifiers_env.environment_class, openenv=openenv_env.environment_class)
 
 
 def environment_rows(env) -> list[dict]:
-    """The dataset of `data.path=env`: the rows of env.name's environment (its classmethod `rows`)."""
+    """The dataset of `data.path=env`: the rows of env.name's environment (its classmethod `rows`), read in
+    an environment worker under `env.startup_timeout_s` (rows that raise, exit or hang are a ValueError
+    naming env.name, never an exit or a hang of the trainer)."""
     cls = resolve_env(env.name)
     if not callable(getattr(cls, "rows", None)):
         raise ValueError(
             f"data.path=env: env.name={env.name!r} brings no dataset (no classmethod rows); "
-            "environments that do: verifiers:<taskset id>"
+            "environments that do: verifiers:<taskset id>, openenv:<url>"
         )
-    return cls.rows(**dict(env.kwargs))
+    return rows_in_worker(env.name, dict(env.kwargs), timeout_s=env.startup_timeout_s, limits=limits_of(env))
 
 
 def check_env_config(env, rollout) -> None:
@@ -61,6 +63,8 @@ def check_env_config(env, rollout) -> None:
         raise ValueError(f"env.timeout_s={env.timeout_s!r} must be > 0")
     # Built once as an episode builds it, in a worker under env.timeout_s: an __init__ that raises, exits or
     # hangs is a start-up error here, not an exit code or a hang of the trainer.
+    if issubclass(resolve_env(env.name), openenv_env.OpenEnvEnv):  # an episode's reset would be refused
+        openenv_env.check_server(resolve_env(env.name).url, timeout_s=env.timeout_s)
     if resolve_env(env.name) is SingleTurn:
         try:
             make_env(env.name, env.kwargs)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import socket
+import urllib.parse
 
 from rlkit.envs.base import Environment
 
@@ -103,7 +105,8 @@ class OpenEnvEnv(Environment):
 
     def step(self, text: str) -> tuple[list[dict] | None, float, bool]:
         result = self._run(self._client.step({self.action_key: text}))
-        reward = 0.0 if result.reward is None else float(result.reward)
+        # As the server sent it: the step check applies rlkit's one rule (a string "0.5" is refused, not parsed).
+        reward = 0.0 if result.reward is None else result.reward
         if result.done:
             self.close()
             return None, reward, True
@@ -120,6 +123,23 @@ class OpenEnvEnv(Environment):
             finally:
                 self._client = None
                 self._loop.close()
+
+
+def check_server(url: str, timeout_s: float) -> None:
+    """At start-up: something accepts a connection at `url`'s host and port (no environment session is
+    opened); raises ValueError naming the URL and why (a refused connection, an unknown host, a timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+    except ValueError as e:
+        raise ValueError(f"env.name={PREFIX}{url}: not a server URL ({e})") from None
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(
+            f"env.name={PREFIX}{url}: no OpenEnv server answers at {url} ({type(e).__name__}: {e}); start the "
+            "server (docker run, uvicorn) or fix the URL"
+        ) from None
 
 
 def environment_class(url: str) -> type:

@@ -8,9 +8,11 @@ it). A call over its limit, or a worker that dies (os._exit, a segfault, the OOM
 whole process group (and pids cgroup) SIGKILLed and reaped: no thread or process it started outlives it,
 and a call that spins on the CPU cannot hold the trainer's GIL. Any other environment that lived in that worker is lost with it, so its episode ends too
 (counted as an error, with the reason). Workers fork from multiprocessing's fork server (never from the
-trainer, which holds torch threads and maybe CUDA), ignore SIGINT / SIGTERM (the trainer's to handle),
-die with the fork server (PR_SET_PDEATHSIG), which ignores SIGTERM too and exits with the trainer, and are
-closed at the end of the batch, their process groups killed.
+trainer, which holds torch threads and maybe CUDA), catch and drop SIGINT / SIGTERM (the trainer's to
+handle; what they start gets default dispositions), die with the fork server (PR_SET_PDEATHSIG), which
+ignores SIGTERM too and exits with the trainer, and are closed at the end of the batch, their process groups
+killed. Their process groups and cgroups are held by the trainer's reaper (rlkit/rewards/reaper.py), which
+kills them if the trainer dies first.
 
 Containment (`Limits`, rlkit/rewards/containment.py): each worker leads its own session, has
 oom_score_adj 1000 and a memory cap (`env.memory_limit_mb`, RLIMIT_DATA: an allocation over it is a
@@ -37,7 +39,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
-from rlkit.rewards.containment import ProcessCap, bound_output, kill_group, limit_this_worker
+from rlkit.rewards.containment import (
+    ProcessCap,
+    bound_output,
+    default_signals_for_children,
+    kill_group,
+    limit_this_worker,
+    over_shared_memory,
+)
+from rlkit.rewards.functions import describe
+from rlkit.rewards.reaper import REAPER
 from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
 
 log = logging.getLogger(__name__)
@@ -45,11 +56,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EnvCall:
-    """One call to an environment in its worker: `make` (build it), `reset(row, messages)` or `step(text)`."""
+    """One call to an environment in its worker: `make` (build it), `reset(row, messages)`, `step(text)` or
+    `rows` (the class's dataset). `max_chars` (step): the most characters of an observation that the
+    episode's token budget could hold; a longer one is not sent back (`Oversized`)."""
 
     env: int
     method: str
     args: tuple = ()
+    max_chars: int | None = None
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """In a step's reply, in place of an observation longer than `EnvCall.max_chars`: its size only."""
+
+    chars: int
 
 
 @dataclass(frozen=True)
@@ -70,12 +91,34 @@ def _checked_first_messages(out) -> list[dict]:
     return messages
 
 
+def _checked_rows(out) -> list[dict]:
+    if not isinstance(out, (list, tuple)):
+        raise TypeError(f"rows must return a list of dicts, got {describe(out)}")
+    for k, row in enumerate(out):
+        if not isinstance(row, dict):
+            raise TypeError(f"rows()[{k}] must be a dict, got {type(row).__name__}")
+    return [dict(row) for row in out]
+
+
+def _bounded(step: tuple, max_chars: int | None) -> tuple:
+    """A checked step result with an observation over `max_chars` characters replaced by `Oversized`: it could
+    never fit the episode's budget, so it is refused here, before it crosses the pipe or meets the tokenizer."""
+    obs, reward, done = step
+    if obs is None or max_chars is None:
+        return step
+    chars = sum(len(m["content"]) + len(m["role"]) for m in obs)
+    return (Oversized(chars) if chars > max_chars else obs), reward, done
+
+
 def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
-    """Run one call on the environments `envs` (id -> object); any failure is the reply's error."""
+    """Run one call on the environments `envs` (id -> object); any failure is the reply's error. `rows` calls
+    the environment class's dataset (`rows(**kwargs)`, data.path=env) and builds no environment."""
     try:
         if call.method == "make":
             envs[call.env] = make_env(spec, kwargs)
             out = getattr(envs[call.env], "stop", ())
+        elif call.method == "rows":
+            out = resolve_env(spec).rows(**kwargs)
         else:
             out = getattr(envs[call.env], call.method)(*call.args)
     except MemoryError:
@@ -87,11 +130,13 @@ def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
     try:
         if call.method == "make":
             value = tuple(str(s) for s in out)
+        elif call.method == "rows":
+            value = _checked_rows(out)
         elif call.method == "reset":
             value = _checked_first_messages(out)
         else:
-            value = check_step(out)
-        reply = EnvReply(call.env, True, value, int(getattr(envs[call.env], "tool_calls", 0)))
+            value = _bounded(check_step(out), call.max_chars)
+        reply = EnvReply(call.env, True, value, int(getattr(envs.get(call.env), "tool_calls", 0)))
         pickle.dumps(reply)  # an unpicklable value fails this call here, not the pipe
         return reply
     except BaseException as e:
@@ -117,10 +162,7 @@ DEFAULT_LIMITS = Limits()
 
 
 def _worker_main(conn, spec: str, kwargs: dict, limits: Limits, cgroup: str | None) -> None:
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    default_signals_for_children()  # SIGINT / SIGTERM caught and dropped, SIGQUIT default
     die_with_parent(os.getppid())  # the fork server, which exits when the trainer does
     limit_this_worker(limits.memory_limit_mb, cgroup)
     bound_output(limits.max_output_bytes, f"environment {spec}")
@@ -134,6 +176,7 @@ class _Worker:
         self.cgroup = cgroup
         self.proc = ctx.Process(target=_worker_main, args=(child, spec, kwargs, limits, cgroup), daemon=True)
         self.proc.start()
+        REAPER.hold_group(self.proc.pid)  # killed by the reaper if the trainer dies first
         child.close()
         self.ready = False
         self.busy: EnvCall | None = None
@@ -146,11 +189,14 @@ class _Worker:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
+        REAPER.release_group(self.proc.pid)
         self.conn.close()
 
 
 POLL_S = 0.2
-"""How often the processes of a batch are counted where no pids cgroup caps them (ProcessCap's fallback)."""
+"""How often, while a call runs, the shared memory of a batch's processes is read (`env.memory_limit_mb`:
+RLIMIT_DATA does not count it), and their processes counted where no pids cgroup caps them (ProcessCap's
+fallback)."""
 
 MAX_WORKERS = 64
 """Worker processes of one batch: one per episode up to this many (beyond it, neighbours share one)."""
@@ -190,8 +236,9 @@ class EnvWorkers:
         timeout_s: float,
         max_workers: int = MAX_WORKERS,
         limits: Limits = DEFAULT_LIMITS,
+        timeout_key: str = "env.timeout_s",
     ):
-        self.timeout_s = timeout_s
+        self.timeout_s, self.timeout_key = timeout_s, timeout_key
         self.start_timeout_s = max(60.0, timeout_s)
         self.limits = limits
         ctx = context(tuple(getattr(resolve_env(spec), "preload", ())))
@@ -257,33 +304,46 @@ class EnvWorkers:
             results[message.env] = ("ok", message.value) if message.ok else ("error", message.value)
             w.busy = None
 
-    def call(self, method: str, args: dict[int, tuple]) -> dict[int, tuple[str, object]]:
+    def call(
+        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None
+    ) -> dict[int, tuple[str, object]]:
         results: dict[int, tuple[str, object]] = {}
         for env, a in args.items():
             if env in self.lost:
                 results[env] = ("error", self.lost[env])
             else:
-                self._home[env].queue.append(EnvCall(env, method, tuple(a)))
+                bound = (max_chars or {}).get(env)
+                self._home[env].queue.append(EnvCall(env, method, tuple(a), bound))
         while any(w.queue or w.busy is not None for w in self._workers):
             self._dispatch()
             limits = [w.deadline for w in self._workers if w.busy is not None or not w.ready]
             handles = {w.conn: w for w in self._workers} | {w.proc.sentinel: w for w in self._workers}
             timeout = max(0.0, min(limits) - time.monotonic()) if limits else None
-            if self._cap.counting:  # no pids cgroup: count the workers' processes a few times a second
+            # Polled a few times a second: the workers' processes where no pids cgroup caps them, and the
+            # shared memory RLIMIT_DATA does not count.
+            if self._cap.counting or self.limits.memory_limit_mb is not None:
                 timeout = POLL_S if timeout is None else min(timeout, POLL_S)
             fired = {handles[h] for h in mp_connection.wait(list(handles), timeout=timeout)}
             hog = self._cap.over_cap([w.proc.pid for w in self._workers])
+            shm_pid, shm_mib = over_shared_memory(
+                {w.proc.pid: w.cgroup for w in self._workers}, self.limits.memory_limit_mb
+            ) or (None, 0)
             for w in list(self._workers):
                 if w.proc.pid == hog:
                     cap = self.limits.max_processes
                     self._lose(w, f"its processes passed env.max_processes={cap} (worker killed)", results)
+                elif w.proc.pid == shm_pid:
+                    cap = self.limits.memory_limit_mb
+                    why = (
+                        f"its shared memory ({shm_mib} MiB) passed env.memory_limit_mb={cap} (worker killed)"
+                    )
+                    self._lose(w, why, results)
                 elif w in fired:
                     self._receive(w, results)
                 elif w.busy is not None and time.monotonic() >= w.deadline:
-                    results[w.busy.env] = ("timeout", f"{method} ran over env.timeout_s={self.timeout_s:g}s")
-                    self._lose(
-                        w, f"{method} ran over env.timeout_s={self.timeout_s:g}s (worker killed)", results
-                    )
+                    over = f"{method} ran over {self.timeout_key}={self.timeout_s:g}s"
+                    results[w.busy.env] = ("timeout", over)
+                    self._lose(w, f"{over} (worker killed)", results)
                 elif not w.ready and time.monotonic() >= w.deadline:
                     self._lose(w, f"its worker did not start within {self.start_timeout_s:g}s", results)
         return results
@@ -308,6 +368,25 @@ def build_once(spec: str, kwargs: dict, *, timeout_s: float, limits: Limits) -> 
         )
 
 
+def rows_in_worker(spec: str, kwargs: dict, *, timeout_s: float, limits: Limits) -> list[dict]:
+    """The dataset of `data.path=env` (the environment class's `rows(**kwargs)`), read in a worker as every
+    other call of an environment is: rows that raise, exit or run over `timeout_s` raise ValueError naming
+    env.name and why; the trainer is untouched."""
+    workers = EnvWorkers(
+        spec, kwargs, 1, timeout_s=timeout_s, limits=limits, timeout_key="env.startup_timeout_s"
+    )
+    try:
+        status, value = workers.call("rows", {0: ()})[0]
+    finally:
+        workers.close()
+    if status != "ok":
+        raise ValueError(
+            f"data.path=env: the dataset of env.name={spec!r} (its rows(**env.kwargs), env.kwargs="
+            f"{dict(kwargs)}) cannot be read in a worker: {value}"
+        )
+    return value
+
+
 class LocalEnvs:
     """The same calls in this process, without a thread or a timeout: for `single_turn` only (it never hangs)."""
 
@@ -317,10 +396,13 @@ class LocalEnvs:
         self.lost: dict[int, str] = {}
         self.tool_calls = [0] * count
 
-    def call(self, method: str, args: dict[int, tuple]) -> dict[int, tuple[str, object]]:
+    def call(
+        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None
+    ) -> dict[int, tuple[str, object]]:
         results = {}
         for env, a in args.items():
-            reply = serve(self._envs, EnvCall(env, method, tuple(a)), self.spec, self.kwargs)
+            call = EnvCall(env, method, tuple(a), (max_chars or {}).get(env))
+            reply = serve(self._envs, call, self.spec, self.kwargs)
             self.tool_calls[env] = reply.tool_calls
             results[env] = ("ok", reply.value) if reply.ok else ("error", reply.value)
         return results

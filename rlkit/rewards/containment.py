@@ -18,7 +18,16 @@ cgroup v2 where the pids controller is enabled) with one child cgroup per worker
 processes are found even when they left its process group (`setsid`). Where no pids cgroup is writable
 (an unprivileged container), the fallback counts the workers' process groups in /proc on every poll
 (`over_cap`) and the caller kills the largest group over the cap: that bounds a slow fork loop, and a
-process that leaves its group escapes it.
+process that leaves its group escapes it. A pids cgroup is made even without a cap (`pids.max` "max"), to
+find the processes that left a worker's group.
+
+What outlives the trainer: nothing it knew of. Each process group and cgroup is held by this process's
+reaper (rlkit/rewards/reaper.py) until it is killed, so a trainer that is SIGKILLed leaves no worker's child
+running; and the first `ProcessCap` of a process removes the `rlkit-<pid>-<n>` cgroups of trainers that are
+gone (`sweep_stale_cgroups`), killing what is left in them.
+
+Signals (`default_signals_for_children`): a worker catches SIGINT / SIGTERM (a handler, not SIG_IGN) and
+sets SIGQUIT to its default, so what it starts gets default dispositions.
 """
 
 from __future__ import annotations
@@ -27,10 +36,12 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import resource
 import signal
 import threading
-import time
+
+from rlkit.rewards.reaper import REAPER, kill_cgroup, remove_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +62,30 @@ def limit_this_worker(memory_limit_mb: int | None, cgroup: str | None) -> None:
     if memory_limit_mb is not None:
         limit = int(memory_limit_mb) << 20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _caught(signum, frame) -> None:
+    """SIGINT / SIGTERM in a worker: dropped (see `default_signals_for_children`)."""
+
+
+def _default_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def default_signals_for_children() -> None:
+    """In a worker: SIGINT and SIGTERM (a signal to the trainer's process group: Ctrl-C, `timeout`, Slurm,
+    systemd; the trainer's to handle) are caught and dropped, and SIGQUIT is back to its default.
+
+    A caught signal, unlike an ignored one (SIG_IGN), is reset to its default by `exec`, so what the worker
+    starts (a tool server, a compiler) can be stopped by SIGTERM, Ctrl-C or SIGQUIT; a child forked without
+    exec gets the defaults too (os.register_at_fork). SIGQUIT is reset because a shell that starts the trainer
+    in the background makes it ignore SIGINT and SIGQUIT, and that would pass to everything it starts."""
+    signal.signal(signal.SIGINT, _caught)
+    signal.signal(signal.SIGTERM, _caught)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    os.register_at_fork(after_in_child=_default_signals)
 
 
 def bound_output(max_bytes: int, what: str) -> None:
@@ -118,32 +153,86 @@ def _pids_cgroup_roots() -> list[str]:
     return [r.rstrip("/") for r in roots]
 
 
-def _kill_cgroup(path: str, budget_s: float = 2.0) -> None:
-    """SIGKILL every process in cgroup `path` until it is empty (new forks are refused first)."""
-    with contextlib.suppress(OSError):
-        with open(os.path.join(path, "pids.max"), "w") as f:
-            f.write("0")
-    end = time.monotonic() + budget_s
-    while time.monotonic() < end:
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:
-            return
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-
-
 def kill_group(pid: int, cgroup: str | None) -> None:
     """SIGKILL worker `pid`'s process group (it leads it) and whatever is left in its cgroup."""
     with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
     if cgroup is not None:
-        _kill_cgroup(cgroup)
+        kill_cgroup(cgroup)
+
+
+def cgroup_members(cgroup: str | None) -> list[int]:
+    """The processes in cgroup `cgroup` ([] without one, or when it cannot be read)."""
+    if cgroup is None:
+        return []
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def shared_mib(pid: int) -> int:
+    """The shared memory `pid` has touched, in MiB (RssShmem: shared anonymous mappings such as
+    mmap(-1, n), SysV and POSIX shared memory, tmpfs files it maps); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) >> 10  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def over_shared_memory(workers: dict[int, str | None], limit_mb: int | None) -> tuple[int, int] | None:
+    """(worker pid, MiB) of the first worker (`workers`: pid -> its cgroup) one of whose processes (the
+    worker, and where it has a cgroup, all in it) holds more than `limit_mb` MiB of shared memory; None
+    when none does. RLIMIT_DATA does not count shared memory, so the caller polls this (every POLL_S)."""
+    if limit_mb is None:
+        return None
+    for pid, cgroup in workers.items():
+        for member in {pid, *cgroup_members(cgroup)}:
+            mib = shared_mib(member)
+            if mib > limit_mb:
+                return pid, mib
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's: alive
+        return True
+    return True
+
+
+STALE = re.compile(r"rlkit-(\d+)-\d+")
+"""The name of a batch's (or a scorer's) pids cgroup: rlkit-<pid of the process that made it>-<n>."""
+
+
+def sweep_stale_cgroups() -> list[str]:
+    """Remove the `rlkit-<pid>-<n>` pids cgroups whose maker (pid) is gone, killing what is left in them (a
+    trainer killed together with its reaper); returns their paths. Cgroups of live processes are left."""
+    removed = []
+    for root in _pids_cgroup_roots():
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            match = STALE.fullmatch(name)
+            if match and not _alive(int(match[1])) and os.path.isdir(os.path.join(root, name)):
+                remove_cgroup(os.path.join(root, name))
+                removed.append(os.path.join(root, name))
+    if removed:
+        log.warning("removed %d pids cgroup(s) left by processes that are gone: %s", len(removed), removed)
+    return removed
+
+
+_SWEPT = [False]
 
 
 class ProcessCap:
@@ -153,8 +242,9 @@ class ProcessCap:
     def __init__(self, max_processes: int | None):
         self.max_processes = max_processes
         self.path: str | None = None
-        if max_processes is None:
-            return
+        if not _SWEPT[0]:  # start-up of containment in this process
+            _SWEPT[0] = True
+            sweep_stale_cgroups()
         name = f"rlkit-{os.getpid()}-{next(_SEQ)}"
         for root in _pids_cgroup_roots():
             path = os.path.join(root, name)
@@ -164,8 +254,9 @@ class ProcessCap:
                 continue
             try:
                 with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(max_processes))
+                    f.write("max" if max_processes is None else str(max_processes))
                 self.path = path
+                REAPER.hold_cgroup(path)
                 return
             except OSError:
                 with contextlib.suppress(OSError):
@@ -198,30 +289,15 @@ class ProcessCap:
             return None
         return max(members, key=lambda g: len(members[g]))
 
+    def release(self, cgroup: str | None) -> None:
+        """Kill whatever is in child cgroup `cgroup` (of `cgroup_for`) and remove it."""
+        if cgroup is not None:
+            remove_cgroup(cgroup)
+
     def close(self) -> None:
         """Kill whatever is still in the cgroups and remove them; safe to call twice."""
         if self.path is None:
             return
         path, self.path = self.path, None
-        with contextlib.suppress(OSError):
-            for sub in os.listdir(path):
-                if os.path.isdir(os.path.join(path, sub)):
-                    _kill_cgroup(os.path.join(path, sub))
-                    _rmdir(os.path.join(path, sub))
-        _kill_cgroup(path)
-        _rmdir(path)
-
-
-def _rmdir(path: str, budget_s: float = 2.0) -> None:
-    end = time.monotonic() + budget_s
-    while True:
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if time.monotonic() >= end:
-                log.debug("cannot remove cgroup %s: %s", path, e)
-                return
-            time.sleep(0.01)
+        remove_cgroup(path)
+        REAPER.release_cgroup(path)

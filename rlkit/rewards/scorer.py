@@ -8,6 +8,7 @@ because of a reward. This module imports nothing heavy: worker processes load it
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -16,12 +17,22 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rlkit.rewards.containment import group_members, kill_group, limit_this_worker
+from rlkit.rewards.containment import (
+    ProcessCap,
+    cgroup_members,
+    default_signals_for_children,
+    group_members,
+    kill_group,
+    limit_this_worker,
+)
 from rlkit.rewards.functions import call_reward, is_batched, is_correct, resolve
+from rlkit.rewards.reaper import REAPER
 
 log = logging.getLogger(__name__)
+
+_SEQ = itertools.count()  # reward workers' cgroups: a fresh one per worker
 
 
 def _init_worker() -> None:
@@ -57,22 +68,20 @@ def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> 
 
 
 def _worker_main(
-    conn, parent_pid: int, started_by_main_thread: bool = True, memory_limit_mb: int | None = None
-) -> None:
+    conn, parent_pid: int, started_by_main_thread: bool = True, memory_limit_mb: int | None = None,
+    cgroup: str | None = None,
+) -> None:  # fmt: skip
     """A reward worker: one private pipe to the trainer, no lock shared with any other process.
 
-    It ignores SIGINT / SIGTERM: a signal sent to the whole process group (Ctrl-C, `timeout`, Slurm,
-    systemd) is the trainer's to handle; the trainer finishes its step with intact rewards and then kills
-    its workers. It exits when the trainer closes the pipe and is killed by the kernel when the trainer dies.
-    It leads its own process group, is the OOM killer's first choice and has a memory cap
-    (rlkit/rewards/containment.py).
+    It catches and drops SIGINT / SIGTERM: a signal sent to the whole process group (Ctrl-C, `timeout`,
+    Slurm, systemd) is the trainer's to handle; the trainer finishes its step with intact rewards and then
+    kills its workers (what a function starts gets default dispositions). It exits when the trainer closes
+    the pipe and is killed by the kernel when the trainer dies. It leads its own process group, joins its
+    pids cgroup, is the OOM killer's first choice and has a memory cap (rlkit/rewards/containment.py).
     """
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    default_signals_for_children()
     die_with_parent(parent_pid, started_by_main_thread=started_by_main_thread)
-    limit_this_worker(memory_limit_mb, None)
+    limit_this_worker(memory_limit_mb, cgroup)
     _init_worker()
     serve_requests(conn, lambda task: call_reward(*task))
 
@@ -124,15 +133,17 @@ def exit_reason(code: int | None) -> str:
 class _Worker:
     """One worker process and its pipe; `task` is the (name, index) it is running, `deadline` its limit."""
 
-    def __init__(self, ctx, start_timeout_s: float, memory_limit_mb: int | None = None):
-        import os
+    def __init__(self, ctx, start_timeout_s: float, memory_limit_mb: int | None = None, cap=None):
         import threading
 
         self.conn, child = ctx.Pipe(duplex=True)
         main = threading.current_thread() is threading.main_thread()
-        args = (child, os.getpid(), main, memory_limit_mb)
+        self.cap = cap
+        self.cgroup = cap.cgroup_for(next(_SEQ)) if cap is not None else None
+        args = (child, os.getpid(), main, memory_limit_mb, self.cgroup)
         self.proc = ctx.Process(target=_worker_main, args=args, daemon=True)
         self.proc.start()
+        REAPER.hold_group(self.proc.pid)  # killed by the reaper if the trainer dies first
         child.close()
         self.ready = False
         self.task: tuple[str, int] | None = None
@@ -142,10 +153,13 @@ class _Worker:
         """SIGKILL its process group (the worker and all it started) and reap: never waits on anything the
         worker holds (a stopped or hung worker dies too)."""
         if self.proc.pid is not None:
-            kill_group(self.proc.pid, None)
+            kill_group(self.proc.pid, self.cgroup)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
+        REAPER.release_group(self.proc.pid)
+        if self.cap is not None:
+            self.cap.release(self.cgroup)
         self.conn.close()
 
 
@@ -159,6 +173,40 @@ class Scores:
     timeouts: int
     correct: list[float]
     """1.0 where the main reward function's verdict on the sample is correct (see `correct_when`), else 0.0."""
+    failed: dict[str, int] = field(default_factory=dict)
+    """Per function slot (`per_fn`'s keys): the samples its call failed on (raised, a bad value, a timeout,
+    a crash), each scored 0."""
+    first_error: dict[str, str] = field(default_factory=dict)
+    """Per function slot that failed: the first failure's description."""
+
+
+@dataclass
+class _Tally:
+    """One `score` call's results by (slot, sample) and its failures."""
+
+    results: dict = field(default_factory=dict)
+    errors: int = 0
+    timeouts: int = 0
+    failed: dict = field(default_factory=dict)
+    first_error: dict = field(default_factory=dict)
+
+    def fail(self, slot: str, idx, why: str, *, timeout: bool = False) -> None:
+        """Samples `idx` of `slot` score 0, counted (in `timeouts` too when `timeout`)."""
+        for i in idx:
+            self.results[(slot, i)] = 0.0
+        self.errors += len(idx)
+        self.timeouts += timeout * len(idx)
+        self.failed[slot] = self.failed.get(slot, 0) + len(idx)
+        self.first_error.setdefault(slot, why)
+
+    def record(self, task: tuple, message: list) -> None:
+        """A worker's answer to `task` (slot, function, sample indices): (value, error or None) per sample."""
+        slot, spec, idx = task
+        for i, (value, err) in zip(idx, message):
+            if err is not None:
+                self.fail(slot, (i,), err)
+                log.debug("reward %r failed on sample %d: %s", spec, i, err)
+            self.results[(slot, i)] = value
 
 
 class RewardScorer:
@@ -176,6 +224,8 @@ class RewardScorer:
         routes: column value -> reward function.
         batch_timeout_s: the limit of one call of a batched function.
         memory_limit_mb: each worker process's memory cap (RLIMIT_DATA, MiB); None = no cap.
+        max_processes: the processes and threads of all workers and what they start together (a pids
+            cgroup, where one is writable); None = no cap (the cgroup still finds what left a group).
     """
 
     def __init__(
@@ -190,6 +240,7 @@ class RewardScorer:
         routes: dict[str, str] | None = None,
         batch_timeout_s: float = 60.0,
         memory_limit_mb: int | None = None,
+        max_processes: int | None = None,
     ):
         self.main = fn
         self.weights: dict[str, float] = {fn: 1.0}
@@ -203,19 +254,26 @@ class RewardScorer:
         self.batch_timeout_s = batch_timeout_s
         self.num_workers = num_workers
         self.memory_limit_mb = memory_limit_mb
+        self.max_processes = max_processes
+        self._cap: ProcessCap | None = None  # made with the first worker
         self.start_timeout_s = max(120.0, timeout_s)
         self._workers: list[_Worker] = []
         self._start_failures = 0
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch threads / CUDA
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.start_timeout_s, self.memory_limit_mb)
+        if self._cap is None:
+            self._cap = ProcessCap(self.max_processes)
+        return _Worker(self._ctx, self.start_timeout_s, self.memory_limit_mb, self._cap)
 
     def close(self) -> None:
         """Kill the workers (they are stateless); safe to call twice, never blocks on a worker."""
         workers, self._workers = self._workers, []
         for w in workers:
             w.kill()
+        cap, self._cap = self._cap, None
+        if cap is not None:
+            cap.close()
 
     def spec_for(self, row: dict) -> str:
         """The main reward function of a sample with dataset columns `row` (its route, or `fn`)."""
@@ -223,15 +281,19 @@ class RewardScorer:
 
     def _kill_leftovers(self) -> None:
         """End of a batch: kill what the reward functions started and left running (the processes of each
-        worker's group other than the worker itself)."""
-        leaders = {w.proc.pid for w in self._workers if w.proc.pid is not None}
-        for leader, pids in group_members(leaders).items():
-            for pid in pids:
-                if pid != leader:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+        worker's group and pids cgroup other than the worker itself)."""
+        workers = {w.proc.pid: w for w in self._workers if w.proc.pid is not None}
+        for _ in range(3):  # one may fork while they are killed
+            groups = group_members(set(workers))
+            left = {p for pid, w in workers.items() for p in [*groups[pid], *cgroup_members(w.cgroup)]}
+            left -= set(workers)
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def _spec(self, slot: str, row: dict) -> str:
         """The function that scores `slot` for a sample: the main slot follows the sample's route."""
@@ -278,30 +340,7 @@ class RewardScorer:
         weights = {k: w for k, w in self.weights.items() if only is None or k in only}
         rows = rows if rows is not None else [{}] * len(responses)
         queue = deque(self._tasks(weights, rows))
-        results: dict[tuple[str, int], float] = {}
-        errors = timeouts = 0
-
-        def replace(w: _Worker, why: str, *, timeout: bool = False) -> None:
-            nonlocal errors, timeouts
-            if w.task is not None:
-                slot, spec, idx = w.task
-                log.warning("reward %r %s on sample(s) %s: scored 0", spec, why, list(idx))
-                for i in idx:
-                    results[(slot, i)] = 0.0
-                errors += len(idx)
-                timeouts += timeout * len(idx)
-            else:
-                log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
-            if not w.ready:
-                self._start_failures += 1
-                if self._start_failures >= 3:
-                    raise RuntimeError(
-                        f"reward workers fail to start ({why}, {self._start_failures} times in a row): "
-                        f"check that reward.fn / reward.extra import in a fresh process"
-                    )
-            w.kill()
-            self._workers[self._workers.index(w)] = self._spawn()
-
+        tally = _Tally()
         while queue or any(w.task is not None for w in self._workers):
             self._workers += [self._spawn() for _ in range(self.num_workers - len(self._workers))]
             for w in self._workers:
@@ -326,30 +365,49 @@ class RewardScorer:
                     message = read_reply(w.conn)
                     if message is None:  # the sentinel fired or the pipe broke: the worker is dead
                         w.proc.join(timeout=10)
-                        replace(w, f"crashed (worker {exit_reason(w.proc.exitcode)})")
+                        self._replace(w, f"crashed (worker {exit_reason(w.proc.exitcode)})", tally)
                     elif message == "ready":
                         w.ready = True
                         self._start_failures = 0
                     else:
-                        slot, spec, idx = w.task
-                        for i, (value, err) in zip(idx, message):
-                            if err is not None:
-                                errors += 1
-                                log.debug("reward %r failed on sample %d: %s", spec, i, err)
-                            results[(slot, i)] = value
+                        tally.record(w.task, message)
                         w.task = None
                 elif (w.task is not None or not w.ready) and time.monotonic() >= w.deadline:
                     limit = self.start_timeout_s
                     if w.ready:
                         limit = self.batch_timeout_s if is_batched(w.task[1]) else self.timeout_s
-                    replace(w, f"timed out after {limit:.1f}s", timeout=w.ready)
+                    self._replace(w, f"timed out after {limit:.1f}s", tally, timeout=w.ready)
         self._kill_leftovers()
-        per_fn = {name: [results[(name, i)] for i in range(len(responses))] for name in weights}
-        total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(len(responses))]
-        correct = [0.0] * len(responses)
+        return self._scores(tally, weights, rows, len(responses))
+
+    def _replace(self, w: _Worker, why: str, tally: _Tally, *, timeout: bool = False) -> None:
+        """Kill worker `w` (its task scores 0, counted) and start another in its place."""
+        if w.task is not None:
+            slot, spec, idx = w.task
+            log.warning("reward %r %s on sample(s) %s: scored 0", spec, why, list(idx))
+            tally.fail(slot, idx, why, timeout=timeout)
+        else:
+            log.warning("a reward worker (pid %s) %s while idle: replaced", w.proc.pid, why)
+        if not w.ready:
+            self._start_failures += 1
+            if self._start_failures >= 3:
+                raise RuntimeError(
+                    f"reward workers fail to start ({why}, {self._start_failures} times in a row): "
+                    f"check that reward.fn / reward.extra import in a fresh process"
+                )
+        w.kill()
+        self._workers[self._workers.index(w)] = self._spawn()
+
+    def _scores(self, tally: _Tally, weights: dict[str, float], rows: Sequence[dict], n: int) -> Scores:
+        per_fn = {name: [tally.results[(name, i)] for i in range(n)] for name in weights}
+        total = [sum(w * per_fn[name][i] for name, w in weights.items()) for i in range(n)]
+        correct = [0.0] * n
         if self.main in per_fn:
             correct = [
                 float(is_correct(self._spec(self.main, rows[i]), v, self.correct_threshold))
                 for i, v in enumerate(per_fn[self.main])
             ]
-        return Scores(total=total, per_fn=per_fn, errors=errors, timeouts=timeouts, correct=correct)
+        return Scores(
+            total=total, per_fn=per_fn, errors=tally.errors, timeouts=tally.timeouts, correct=correct,
+            failed=tally.failed, first_error=tally.first_error,
+        )  # fmt: skip

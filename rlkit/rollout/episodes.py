@@ -27,8 +27,9 @@ from torch import Tensor
 
 from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
+from rlkit.data.prompts import max_token_chars
 from rlkit.envs import SingleTurn, resolve_env
-from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs
+from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs, Oversized
 from rlkit.rollout.engines.base import rows_to_batch
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class EpisodeBatch:
     """Environment steps that raised or timed out."""
     timeouts: int
     """Of those, the ones that timed out."""
+    first_failure: str = ""
+    """The reason of the first failed episode ("" when none failed)."""
 
 
 def observation_ids(
@@ -245,13 +248,21 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> No
     """Apply one successful environment step: its reward, and its observation appended as context tokens.
     An observation the chat template cannot render, or longer than the episode's whole token budget (it
     could never fit, however short the model's turns), fails the episode; one that only overflows the room
-    left ends it with finish reason `length` (the budget ran out: not the environment's fault)."""
+    left ends it with finish reason `length` (the budget ran out: not the environment's fault). An
+    observation the worker refused by its length in characters (`Oversized`, see `_turns`) fails it too,
+    never tokenized."""
     obs, reward, done = out
     e.reward += reward
     history = list(e.messages)
-    e.messages += [{"role": "assistant", "content": e.texts[-1]}, *(obs or [])]
+    oversized = obs if isinstance(obs, Oversized) else None
+    e.messages += [{"role": "assistant", "content": e.texts[-1]}, *(obs if obs and not oversized else [])]
     if done or e.turns >= max_turns:
         e.done = True
+        return
+    if oversized is not None:
+        budget = room(e) + len(e.ids)
+        _fail(e, "error", f"an observation of {oversized.chars} characters is longer than the episode's budget "
+                          f"of {budget} tokens could hold (refused before tokenizing)")  # fmt: skip
         return
     eos = tokenizer.decode([e.ids[-1]]) if e.ids and e.ids[-1] in eos_ids else None
     try:
@@ -301,6 +312,7 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, to
         },
         errors=sum(e.failed is not None for e in episodes),
         timeouts=sum(e.failed == "timeout" for e in episodes),
+        first_failure=next((e.why for e in episodes if e.failed is not None), ""),
     )
 
 
@@ -368,6 +380,7 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
         return left
 
     gen_seconds = 0.0
+    token_chars = max_token_chars(tokenizer)
     live = [e for e in episodes if not e.done]
     for turn in range(max_turns):
         if not live:
@@ -389,7 +402,11 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
             rb = generate([e.prompt + e.ids for e in live], 1, s, turn, [e.position for e in live])
         gen_seconds += rb.stats.get("gen_seconds", 0.0)
         stepping = _take_turn(live, rb, room, tokenizer)
-        results = runner.call("step", {e.env: (e.texts[-1],) for e in stepping})
+        # Told with each step, the worker refuses an observation longer in characters than the episode's
+        # token budget could ever hold (2 x the tokenizer's longest entry per token, as for data rows), so
+        # what the trainer tokenizes is bounded by the budget, never by what the environment sent.
+        bounds = {e.env: 2 * (room(e) + len(e.ids)) * token_chars for e in stepping} if token_chars else None
+        results = runner.call("step", {e.env: (e.texts[-1],) for e in stepping}, bounds)
         for e in stepping:
             status, out = results[e.env]
             if status == "ok":

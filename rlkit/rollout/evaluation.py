@@ -26,6 +26,7 @@ from rlkit.config.rules import local_path_exists
 from rlkit.config.schema import ConfigError
 from rlkit.rewards import extract_answer
 from rlkit.rollout.producer import sampling_seed
+from rlkit.rundir import unwritable_file
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,15 @@ def check_config(cfg) -> None:
             f"rollout.eval_temperature={cfg.rollout.eval_temperature}) draws the same sample {n} times: "
             "set eval.temperature > 0 or eval.n=1"
         )
+    over = [k for k in e.ks if k > n]
+    if over:
+        source = (
+            f"eval.n={e.n}" if e.n is not None else f"rollout.eval_group_size={cfg.rollout.eval_group_size}"
+        )
+        raise ConfigError(
+            f"eval.ks={list(e.ks)!r}: k={over[0]} is above the {n} samples per prompt ({source}), so pass@{over[0]} "
+            f"and maj@{over[0]} cannot be estimated: use k <= {n}, or draw more samples"
+        )
     if not e.task_key:
         raise ConfigError("eval.task_key='' must name a dataset column (absent columns are fine)")
     local_path_exists("eval.model", e.model)
@@ -217,3 +227,5 @@ def check_config(cfg) -> None:
         raise ConfigError(
             f"eval.output={e.output!r} is a directory: name the JSON file to write (e.g. {e.output}/eval.json)"
         )
+    if e.output is not None and (why := unwritable_file(Path(e.output).expanduser())) is not None:
+        raise ConfigError(f"eval.output={e.output!r} cannot be written: {why}")

@@ -62,6 +62,7 @@ class LocalRollouts:
             routes=cfg.reward.routes,
             batch_timeout_s=cfg.reward.batch_timeout_s,
             memory_limit_mb=cfg.reward.memory_limit_mb,
+            max_processes=cfg.reward.max_processes,
         )
         # None: the engine takes this rank's GPU (set by the accelerator) or the CPU.
         self.engine = make_engine(

@@ -36,6 +36,7 @@ from rlkit.envs.workers import limits_of
 from rlkit.models import load_tokenizer
 from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.episodes import check_multiturn_template, run_episodes
+from rlkit.rollout.failures import FailureWatch
 from rlkit.rollout.scored import concat_rollouts, take_groups
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,11 @@ class Producer:
         self.prompts_per_rank = cfg.trainer.train_batch_size // (self.group_size * world)
         # The tasks of a dataset with a `task` column (per-task metrics): the same list on every rank.
         self.task_names = task_names(prompts.rows)
+        self.watch = FailureWatch(
+            reward_steps=cfg.reward.max_failed_steps,
+            env_steps=cfg.env.max_failed_steps,
+            env_name=cfg.env.name,
+        )
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -201,6 +207,8 @@ class Producer:
             answers = [self.prompts.answers[i] for i in mine for _ in range(G)]
             rows = [self.prompts.rows[i] for i in mine for _ in range(G)]
             scores = self.scorer.score(texts, list(rb.response_texts), answers, rows=rows)
+            self.watch.see_rewards(scores, len(texts))
+            self.watch.see_episodes(rb.num_samples, eb.errors, eb.first_failure)
             per_fn = {k: torch.tensor(v, dtype=torch.float32) for k, v in scores.per_fn.items()}
             rewards = torch.tensor(scores.total, dtype=torch.float32)
             rw = cfg.reward
@@ -241,6 +249,7 @@ class Producer:
         a = self.cfg.algo
         if a.dynamic_sampling == "off":
             piece = self._generate_and_score(step, 0, timers)
+            self.watch.end_step(step)  # loud failures (rlkit/rollout/failures.py)
             # The oldest version that sampled a token (the engine's, `step` in sync mode).
             return ScoredBatch(**piece, stats={}, policy_version=piece["rollout"].oldest_version(step))
 
@@ -255,6 +264,7 @@ class Producer:
                 pieces.append(piece)
                 if int(sum(int(k.sum()) for k in keep)) >= needed:
                     break
+        self.watch.end_step(step)
         kept = int(sum(int(k.sum()) for k in keep))
         generated = sum(k.numel() for k in keep)
         if kept < needed and not self._told_shortfall and self.rank == 0:

@@ -378,6 +378,8 @@ OUT_OF_RANGE = {
     "trainer.peak_tflops": 0.0,
     "env.max_turns": 0, "env.max_total_tokens": 0, "env.timeout_s": 0.0, "reward.batch_timeout_s": 0.0,
     "env.memory_limit_mb": 32, "env.max_processes": 4, "reward.memory_limit_mb": 0,
+    "reward.max_processes": 4, "reward.max_failed_steps": -1, "env.max_failed_steps": -1,
+    "env.startup_timeout_s": 0.0,
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
     "trainer.max_staleness": -1, "trainer.rollout_gpus": 0, "trainer.max_nonfinite_steps": 0,
     "trainer.log_samples": -1, "eval.n": 0, "eval.temperature": -0.5,

@@ -299,7 +299,7 @@ MALFORMED = {
     "reset_none": "reset returned a bad result: reset's first messages must be a list of messages, got NoneType",
     "reset_raise": "reset raised RuntimeError: reset boom",
     "huge_first": "tokens, the model's context 1024",
-    "huge_observation": "tokens is longer than the episode's budget of 400",
+    "huge_observation": "characters is longer than the episode's budget of 400 tokens could hold (refused before",
     "exit": "its worker died (exit code 3)",
 }
 

@@ -96,12 +96,13 @@ def test_environment_errors_and_timeouts_are_counted_and_score_zero(tiny, tmp_pa
 def test_a_misbehaving_environment_never_ends_the_run(tiny, tmp_path, how):
     """A malformed observation (it raised from the chat template), a 1 MB first message (it made
     max_new_tokens negative) and a step that spins on the CPU: the run finishes, every episode scores 0
-    and is counted in env/errors, the step time does not grow, and no worker process is left."""
+    and is counted in env/errors, the step time does not grow, and no worker process is left. (Stopping
+    a run whose every episode fails is off here: env.max_failed_steps=0; tests/trainer/test_loud_failures.py.)"""
     import multiprocessing
 
     metrics = train(
         tiny, tmp_path / "x", "trainer.steps=3", *MULTI, "env.name=rlkit_test_envs:Misbehaving",
-        f"+env.kwargs.how={how}", "env.timeout_s=0.5", "trainer.eval_at_start=false",
+        f"+env.kwargs.how={how}", "env.timeout_s=0.5", "trainer.eval_at_start=false", "env.max_failed_steps=0",
     )  # fmt: skip
     assert len(metrics) == 3
     for m in metrics:

@@ -149,7 +149,13 @@ def test_seeds_give_a_mean_and_spread_and_greedy_with_several_samples_is_refused
 
     root, data, _ = trained
     report, _ = _evaluate(
-        tiny, tmp_path, data, root / "run" / "checkpoints" / "step_2", "eval.seeds=[0,5]", "eval.n=2"
+        tiny,
+        tmp_path,
+        data,
+        root / "run" / "checkpoints" / "step_2",
+        "eval.seeds=[0,5]",
+        "eval.n=2",
+        "eval.ks=[1,2]",
     )
     p1 = report["metrics"]["total"]["pass@1"]
     per_seed = [s["summary"]["total"]["pass@1"] for s in report["per_seed"]]
@@ -174,3 +180,85 @@ def test_cfg_job_prints_the_config_without_evaluating(tiny, tmp_path, monkeypatc
     shown = OmegaConf.create(capsys.readouterr().out)
     assert shown.eval.n == 4 and shown.model.path == tiny
     assert not (tmp_path / "outputs").exists()
+
+
+# -- evaluation trusts only what verifies, and loses no result ------------------------------------------
+
+
+def _no_model_loads(monkeypatch):
+    from rlkit import eval as rlkit_eval
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(rlkit_eval, "LocalRollouts", refuse)
+    monkeypatch.setattr(rlkit_eval, "load_causal_lm", refuse)
+
+
+def _flip(path: Path, offset: int, count: int = 2) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(offset, offset + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _nan_weights(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+DAMAGED = {  # what is damaged (a copy of the checkpoint, its model/ folder or its adapter/) -> named file, why
+    "checksum": ("step", "model/model.safetensors", lambda p: _flip(p, p.stat().st_size // 2), "does not match its sha256"),
+    "checksum_of_model": ("step/model", "model/model.safetensors", lambda p: _flip(p, p.stat().st_size // 2),
+                          "does not match its sha256"),
+    "zero_byte": ("model", "model.safetensors", lambda p: p.write_bytes(b""), "is not readable safetensors"),
+    "truncated": ("model", "model.safetensors", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+                  "is not readable safetensors"),
+    "header": ("model", "model.safetensors", lambda p: _flip(p, 10), "is not readable safetensors"),
+    "nan": ("model", "model.safetensors", _nan_weights, "holds NaN or inf"),
+    "adapter_config": ("adapter", "adapter_config.json", lambda p: p.write_text('{"r": 4,'), "is not valid JSON"),
+    "adapter_weights": ("adapter", "adapter_model.safetensors",
+                        lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size - 100]), "is not readable safetensors"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_rlkit_eval_refuses_a_damaged_model_naming_the_file_before_any_model_loads(
+    tiny,  # noqa: F811
+    trained,
+    tmp_path,
+    monkeypatch,
+    damage,
+):
+    from rlkit.config.schema import ConfigError
+
+    root, data, _ = trained
+    what, name, spoil, why = DAMAGED[damage]
+    ckpt = root / "run" / "checkpoints" / "step_2"
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt if what.startswith("step") else ckpt / what, copy)
+    spoil(copy / name)
+    _no_model_loads(monkeypatch)
+    with pytest.raises(ConfigError) as e:
+        _evaluate(tiny, tmp_path, data, copy / "model" if what == "step/model" else copy)
+    assert name in str(e.value) and why in str(e.value), str(e.value)
+
+
+def test_results_are_printed_and_kept_when_eval_json_cannot_be_written(tiny, trained, tmp_path, capsys):  # noqa: F811
+    root, data, _ = trained
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "eval.json"  # a disk that fills after the start-up check: the write fails
+    cfg = compose(
+        _overrides(tiny, tmp_path / "unused", data, f"eval.model={root / 'run' / 'checkpoints' / 'step_2'}")
+    )
+    with pytest.raises(OSError, match="the report was written to"):
+        main_from_config(cfg, out)
+    printed = capsys.readouterr().out
+    assert "pass@1" in printed and "total" in printed  # the table
+    kept = Path(printed.split("the report is in ")[1].split()[0])
+    assert json.loads(kept.read_text())["metrics"]["total"]["prompts"] == 6
+    kept.unlink()

@@ -43,6 +43,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -143,7 +144,8 @@ class AsyncRollouts:
             ctrl = ctx.Queue()
             errors, send_errors = ctx.Pipe(duplex=False)
             start = {"index": self.schedule.granted, "position": self.position, "gpu": gpus[r],
-                     "parent": os.getpid(), "threads": self.threads}  # fmt: skip
+                     "parent": os.getpid(), "threads": self.threads,
+                     "main_thread": threading.current_thread() is threading.main_thread()}  # fmt: skip
             proc = ctx.Process(
                 target=worker_main,
                 args=(to_dict(self.cfg), r, self.R, ports, ctrl, self.results, send_errors, start),

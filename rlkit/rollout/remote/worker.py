@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rlkit.config.rules import parse
 from rlkit.models import load_tokenizer
+from rlkit.rewards.scorer import die_with_parent
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.remote.messages import (
@@ -88,6 +89,10 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, erro
     sending end of this worker's error pipe."""
     rollouts = None
     try:
+        # Killed by the kernel when learner rank 0 dies, whatever it is doing: loading its model, or waiting
+        # on the learner's store or collectives (up to trainer.collective_timeout_s), where `_control`'s check
+        # of the parent is never reached. Its reward workers die with it; its reaper kills what they started.
+        die_with_parent(start["parent"], started_by_main_thread=start["main_thread"])
         _as_rank(r, R, ports, start["gpu"])
         # The learner stops the workers after its checkpoint; a signal to the process group must not.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

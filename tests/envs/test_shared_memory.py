@@ -1,0 +1,28 @@
+"""Shared anonymous memory (mmap(-1, n)), which RLIMIT_DATA does not count, is held to env.memory_limit_mb
+too: the batch's processes are read a few times a second and a worker over the cap is killed, its episode
+failing with the reason (rlkit/rewards/containment.py over_shared_memory)."""
+
+from rlkit.envs.workers import EnvWorkers, Limits
+
+
+def _step(name, kwargs, limits, timeout_s):
+    workers = EnvWorkers(f"rlkit_test_doors:{name}", kwargs, 1, timeout_s=timeout_s, limits=limits)
+    try:
+        assert workers.call("make", {0: ()})[0][0] == "ok"
+        return workers.call("step", {0: ("a",)})[0]
+    finally:
+        workers.close()
+
+
+def test_shared_memory_over_the_cap_fails_its_episode_with_the_reason():
+    status, why = _step("SharedHog", {"mb": 256}, Limits(memory_limit_mb=100), timeout_s=20)
+    assert status == "error" and "its shared memory" in why and "passed env.memory_limit_mb=100" in why, why
+    mib = int(why.split("(")[1].split()[0])
+    assert 100 < mib <= 256
+
+
+def test_shared_memory_under_the_cap_is_left_alone():
+    assert _step("SharedSmall", {"mb": 16}, Limits(memory_limit_mb=100), timeout_s=20) == (
+        "ok",
+        (None, 1.0, True),
+    )

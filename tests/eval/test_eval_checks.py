@@ -1,0 +1,62 @@
+"""`rlkit.eval`'s start-up checks (rlkit/rollout/evaluation.py check_config): eval.output must be writable
+before any model loads, and every k of eval.ks must be at most the samples per prompt."""
+
+import os
+import subprocess
+
+import pytest
+
+from rlkit.config.schema import ConfigError, RLConfig
+from rlkit.rollout.evaluation import check_config
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder that cannot be written: a read-only tmpfs (root ignores permission bits), or without mount
+    rights a folder without write bits."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    try:
+        mounted = (
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)]).returncode == 0
+        )
+    except OSError:
+        mounted = False
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("mount -t tmpfs is not allowed here and root ignores permission bits")
+        folder.chmod(0o555)
+    yield folder
+    if mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    else:
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("where", ["ro/eval.json", "ro/new/eval.json", "a_file/eval.json"])
+def test_an_unwritable_eval_output_is_a_start_up_error(read_only_folder, where):
+    (read_only_folder.parent / "a_file").write_text("")
+    cfg = RLConfig()
+    cfg.eval.output = str(read_only_folder.parent / where)
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert f"eval.output={cfg.eval.output!r} cannot be written" in str(e.value)
+    expected = "a_file is a file" if where.startswith("a_file") else f"{read_only_folder} is not writable"
+    assert expected in str(e.value)
+
+
+def test_a_k_above_the_samples_per_prompt_is_a_start_up_error():
+    cfg = RLConfig()
+    cfg.eval.ks, cfg.eval.n, cfg.eval.temperature = [1, 8], 4, 1.0
+    with pytest.raises(
+        ConfigError, match=r"eval.ks=\[1, 8\]: k=8 is above the 4 samples per prompt \(eval.n=4\)"
+    ):
+        check_config(cfg)
+    cfg.eval.n = None  # rlkit.eval and training draw rollout.eval_group_size samples then
+    cfg.rollout.eval_group_size = 2
+    with pytest.raises(
+        ConfigError, match=r"k=8 is above the 2 samples per prompt \(rollout.eval_group_size=2\)"
+    ):
+        check_config(cfg)
+    cfg.eval.ks = [1, 2]
+    check_config(cfg)
