@@ -286,13 +286,13 @@ class RewardConfig:
     """Limit of one call of a batched reward function (@rlkit.rewards.batched); over it the batch scores 0."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each reward worker process (RLIMIT_DATA: heap and anonymous memory); a function over it
-    scores 0 (`reward/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/operations.md)."""
+    scores 0 (`reward/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of the reward workers and all they start (a pids cgroup, where one is
-    writable: see docs/operations.md); null = no cap."""
+    writable: see docs/guides/operations.md); null = no cap."""
     max_failed_steps: int = 3
     """Stop the run when a reward function fails on every sample of this many steps in a row (0 = never);
-    one failing on more than half a step's samples is warned about once per cause (docs/operations.md)."""
+    one failing on more than half a step's samples is warned about once per cause (docs/guides/operations.md)."""
     route_by: Optional[str] = None
     """A dataset column (e.g. data_source) whose value picks each sample's main reward from `routes`."""
     routes: dict[str, str] = field(default_factory=dict)
@@ -330,10 +330,10 @@ class EnvConfig:
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
     stacks, reserved rather than touched); an allocation over it fails that episode (`env/errors`); null =
-    no cap. Workers also get oom_score_adj 1000 (see docs/operations.md)."""
+    no cap. Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
-    a count of processes in /proc where none is writable: see docs/operations.md); null = no cap."""
+    a count of processes in /proc where none is writable: see docs/guides/operations.md); null = no cap."""
     max_failed_steps: int = 3
     """Stop the run when every episode fails (env/errors) in this many steps in a row (0 = never)."""
 

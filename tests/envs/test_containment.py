@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_helpers import tiny  # noqa: F401  (the tiny model)
+from run_helpers import FIXTURES, tiny  # noqa: F401  (the tiny model)
 from test_episodes import _run, encode, tiny_dir, tok  # noqa: F401  (its tokenizer, a scripted engine)
 
 from rlkit.config.schema import ConfigError, RLConfig
@@ -213,7 +213,7 @@ if __name__ == "__main__":
 def test_workers_never_rerun_the_trainers_main_and_a_killed_fork_server_is_replaced_at_once(tmp_path):
     script, marks = tmp_path / "trainer_main.py", tmp_path / "marks"
     script.write_text(MAIN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), *sys.path])}
     out = subprocess.run(
         [sys.executable, str(script), str(marks)], capture_output=True, text=True, timeout=120, env=env
     )
@@ -290,7 +290,7 @@ w.close()
 def test_environment_output_is_bounded_per_worker():
     from rlkit.envs.workers import MAX_OUTPUT_BYTES
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), *sys.path])}
     out = subprocess.run([sys.executable, "-c", FLOOD], capture_output=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert b"RESULTS [('ok', (None, 1.0, True)), ('ok', (None, 1.0, True))]" in out.stdout

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 from proc_helpers import alive, cgroup_root, cgroups_of, kill_all, recorded, wait_dead, wait_for
+from run_helpers import FIXTURES
 
 from rlkit.rewards.containment import sweep_stale_cgroups
-
-HERE = Path(__file__).resolve().parent
 
 TRAINER = """
 import sys
@@ -32,7 +31,7 @@ def test_a_sigkilled_trainer_leaves_nothing_its_workers_started_and_no_cgroup(tm
     """A "trainer" with a batch of 2 environment workers whose steps left 3 processes each (one in the
     worker's group, one in a session of its own, one forked) and a reward call that left a process in its
     own session and hangs, is SIGKILLed: within a few seconds all 7 are gone, and its cgroups too."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "rewards"), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), *sys.path])}
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path)], env=env)
     try:
         wait_for(

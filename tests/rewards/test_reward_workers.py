@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from run_helpers import FIXTURES
 
 from rlkit.rewards import RewardScorer
 
@@ -190,7 +191,7 @@ def test_workers_started_from_a_thread_die_with_the_trainer(tmp_path):
         "    print(' '.join(str(w.proc.pid) for w in s._workers), flush=True)\n"
         "    time.sleep(600)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), *sys.path])}
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]

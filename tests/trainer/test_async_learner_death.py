@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from proc_helpers import alive, kill_all, wait_dead
-from test_e2e import HERE, overrides, tiny  # noqa: F401  (tiny is a fixture)
+from run_helpers import FIXTURES, overrides, tiny  # noqa: F401  (tiny is a fixture)
 
 from rlkit.config.schema import REPO_ROOT
 
@@ -40,7 +40,11 @@ def _cmdline(pid: int) -> str:
 
 
 def test_a_sigkilled_learner_takes_its_rollout_worker_along(tiny, tmp_path):  # noqa: F811
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(HERE)]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(FIXTURES)]),
+        "OMP_NUM_THREADS": "1",
+    }
     args = overrides(tiny, tmp_path / "run", "trainer.mode=async", "trainer.steps=50")
     learner = subprocess.Popen([sys.executable, "-m", "rlkit.train", *args], env=env, cwd=tmp_path,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip

@@ -5,7 +5,7 @@ whose every episode fails stops it after env.max_failed_steps steps."""
 import logging
 
 import pytest
-from test_e2e import tiny, train  # noqa: F401
+from run_helpers import tiny, train  # noqa: F401
 
 
 def test_a_reward_function_failing_on_every_sample_warns_once_and_stops_the_run(tiny, tmp_path, caplog):  # noqa: F811
