@@ -14,15 +14,20 @@ def _step(name, kwargs, limits, timeout_s):
         workers.close()
 
 
+# The cap also bounds the worker's heap (RLIMIT_DATA), which starts with what its fork server holds: after the other
+# tests of tests/envs had run in the same session, a 100 MiB cap left the worker no room to start a thread.
+CAP_MB = 512
+
+
 def test_shared_memory_over_the_cap_fails_its_episode_with_the_reason():
-    status, why = _step("SharedHog", {"mb": 256}, Limits(memory_limit_mb=100), timeout_s=20)
-    assert status == "error" and "its shared memory" in why and "passed env.memory_limit_mb=100" in why, why
+    status, why = _step("SharedHog", {"mb": 768}, Limits(memory_limit_mb=CAP_MB), timeout_s=20)
+    assert status == "error" and "its shared memory" in why and f"passed env.memory_limit_mb={CAP_MB}" in why, why
     mib = int(why.split("(")[1].split()[0])
-    assert 100 < mib <= 256
+    assert CAP_MB < mib <= 768
 
 
 def test_shared_memory_under_the_cap_is_left_alone():
-    assert _step("SharedSmall", {"mb": 16}, Limits(memory_limit_mb=100), timeout_s=20) == (
+    assert _step("SharedSmall", {"mb": 16}, Limits(memory_limit_mb=CAP_MB), timeout_s=20) == (
         "ok",
         (None, 1.0, True),
     )
