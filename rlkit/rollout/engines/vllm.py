@@ -41,10 +41,19 @@ from rlkit.rollout.engines.base import (
     check_generate_args,
     record_throughput,
 )
+from rlkit.rollout.engines.checkpoint_format import checkpoint_origins, to_checkpoint
+from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
 from rlkit.rollout.engines.vllm_logs import quiet_push_logs
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
+from rlkit.rollout.engines.vllm_reload import (
+    worker_close_failed_reload,
+    worker_module_names,
+    worker_reload,
+    worker_tensors,
+)
 from rlkit.weights import (
     PushGuard,
+    WeightSyncError,
     check_manifest,
     clean_param_name,
     digest,
@@ -94,9 +103,6 @@ def vllm_weight_name(hf_name: str) -> str:
     """
     return clean_param_name(hf_name)
 
-
-# Linear layers vLLM's CPU backend repacks after loading (their parameters' digests do not follow a push).
-_REPACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -182,22 +188,25 @@ def _head_dim(model_path: str) -> int | None:
     return head
 
 
-def _close_failed_reload(worker) -> None:
-    """Runs in the worker: finish the layer-by-layer reload state a failed `reload_weights` left open."""
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
-
-
-def _worker_param_names(worker) -> list[str]:
-    """Runs in the worker: the names of its model's parameters."""
-    return [name for name, _ in worker.model_runner.get_model().named_parameters()]
-
-
-def _worker_digests(worker, names=None) -> dict[str, str]:
-    """Runs in the worker: sha256 of its model's parameters (of `names` only, unless None)."""
+def _worker_digests(worker, names) -> dict[str, str]:
+    """Runs in the worker: sha256 of the named parameters and persistent buffers of its model."""
     model = worker.model_runner.get_model()
-    return {n: digest(p) for n, p in model.named_parameters() if names is None or n in names}
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return {n: digest(tensors[n]) for n in names}
+
+
+def _compiles(llm) -> bool:
+    """Whether vLLM compiles the model itself (its `support_torch_compile` decoration is then in use)."""
+    from vllm.config import CompilationMode
+
+    mode = llm.llm_engine.vllm_config.compilation_config.mode
+    return mode not in (CompilationMode.NONE, CompilationMode.STOCK_TORCH_COMPILE)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
 
 
 class VLLMEngine:
@@ -283,9 +292,14 @@ class VLLMEngine:
                 meta = AutoModelForCausalLM.from_config(config)
             self.manifest = module_manifest(meta)
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
-            del meta
+            # The weightless model also converts pushes into checkpoint names (`to_checkpoint`).
+            self._meta = meta
+            self._origins = checkpoint_origins(meta, self.manifest)
+            for name, aliases in self._aliases.items():
+                for alias in aliases:
+                    self._origins[alias] = [name]
+            self._loads: dict[str, list[str]] = {}  # what the pushes' loaders wrote (vllm_reload.worker_reload)
             self._push_guard = PushGuard(self.name)
-            self._sources = None
             self.on_cpu = on_cpu
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
@@ -295,23 +309,26 @@ class VLLMEngine:
             self.rank, _ = _launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
             t0 = time.perf_counter()
-            self.llm = LLM(
-                model=os.path.join(directory, gguf_file) if gguf_file else directory,
-                tokenizer=directory,
-                tensor_parallel_size=1,
-                distributed_executor_backend="external_launcher",
-                dtype=str(dtype).removeprefix("torch."),
-                seed=seed + self.rank,
-                gpu_memory_utilization=gpu_memory_utilization,
-                max_model_len=max_model_len,
-                enable_sleep_mode=enable_sleep_mode,
-                enforce_eager=enforce_eager,
-                # Later turns of an episode and the G samples of a prompt reuse their prompt's KV blocks.
-                enable_prefix_caching=enable_prefix_caching,
-                logprobs_mode="processed_logprobs",
-                max_num_batched_tokens=max_num_batched_tokens,
-                **llm_kwargs,
-            )
+            restored = TransformersClassesRestored(type(meta))
+            with restored:
+                self.llm = LLM(
+                    model=os.path.join(directory, gguf_file) if gguf_file else directory,
+                    tokenizer=directory,
+                    tensor_parallel_size=1,
+                    distributed_executor_backend="external_launcher",
+                    dtype=str(dtype).removeprefix("torch."),
+                    seed=seed + self.rank,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    max_model_len=max_model_len,
+                    enable_sleep_mode=enable_sleep_mode,
+                    enforce_eager=enforce_eager,
+                    # Later turns of an episode and the G samples of a prompt reuse their prompt's KV blocks.
+                    enable_prefix_caching=enable_prefix_caching,
+                    logprobs_mode="processed_logprobs",
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    **llm_kwargs,
+                )
+            restored.check_compiled(_compiles(self.llm))
             log.info(
                 "vLLM engine on %s built in %.1f s (eager=%s, sleep mode=%s, kv cache=%s GiB)",
                 current_platform.device_type, time.perf_counter() - t0, enforce_eager, enable_sleep_mode,
@@ -327,6 +344,9 @@ class VLLMEngine:
         self._weights_lost = False  # level-2 sleep dropped the weights; a push must come first
         self._calls = 0
         self._seed = seed
+        self._platform = current_platform.device_type
+        self._engine_modules: set[str] | None = None
+        self._held: list[str] | None = None
 
     def set_version(self, version: int, *, in_flight: bool = False) -> None:
         """The weights held now are policy version `version`: vLLM labels every later step's tokens with it
@@ -417,12 +437,14 @@ class VLLMEngine:
 
         The contract of `HFEngine.load_weights` (rlkit/weights.py): `manifest` is checked against
         the engine's before anything is copied; the stream must then bring exactly the manifest.
-        The tensors go through the worker's `reload_weights` (vLLM 0.32), which reloads each layer
-        and redoes the kernel-format processing the CPU backend applies after loading (repacked
-        linear weights), so the same call is right on CPU and CUDA; `model.load_weights` alone
-        would write into the repacked layers' empty placeholders. A tied output head is pushed
-        with its embedding's tensor: on CPU the head is a separately processed layer. Resets the
-        prefix cache afterwards (cached KV blocks were computed with the old weights).
+        The tensors arrive in the learner's (transformers' in-memory) names and are converted into the
+        checkpoint's names and layouts (`to_checkpoint`: transformers' own reverse of its load-time
+        conversion, layer by layer), which vLLM's loaders expect; a tied output head is also pushed as its
+        alias where vLLM's model has that module (on CPU the head is a separately processed layer).
+        They go through `vllm_reload.worker_reload` (vLLM 0.32's layerwise reload, which redoes each
+        layer's kernel-format processing, plus the CPU expert prepack vLLM skips on an update); a layer that
+        received none or part of its weights is a `WeightSyncError` naming it. Resets the prefix cache
+        afterwards (cached KV blocks were computed with the old weights).
         """
 
         if manifest is not None:
@@ -431,24 +453,28 @@ class VLLMEngine:
             # The weights must be mapped on the GPU before writing into them (the KV cache stays freed).
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
+        if self._engine_modules is None:
+            self._engine_modules = set(self.llm.collective_rpc(worker_module_names)[0])
+        aliases = {
+            n: [a for a in al if a.rpartition(".")[0] in self._engine_modules] for n, al in self._aliases.items()
+        }
 
-        def with_vllm_names(stream):
-            for name, tensor in stream:
-                yield vllm_weight_name(name), tensor
-                for alias in self._aliases.get(name, ()):
+        def in_checkpoint_format(stream):
+            for name, tensor in to_checkpoint(((vllm_weight_name(n), t) for n, t in stream), self._meta):
+                yield name, tensor
+                for alias in aliases.get(name, ()):
                     yield alias, tensor
 
         def copy(stream):
             try:
-                self.llm.collective_rpc(
-                    "reload_weights",
-                    kwargs={"weights_iterator": with_vllm_names(stream), "is_checkpoint_format": True},
-                )
+                reports = self.llm.collective_rpc(worker_reload, kwargs={"weights": in_checkpoint_format(stream)})
             except BaseException:
                 # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
                 # (the weights stay partly old, partly new: the guard refuses to generate).
-                self.llm.collective_rpc(_close_failed_reload)
+                self.llm.collective_rpc(worker_close_failed_reload)
                 raise
+            for report in reports:
+                self._check_reload(report)
 
         start = time.perf_counter()
         with quiet_push_logs() as quieted:  # vLLM's per-push lines: one rlkit debug line below
@@ -459,6 +485,38 @@ class VLLMEngine:
             "vLLM push: %d tensors in %.3f s (%s)", count, time.perf_counter() - start, "; ".join(quieted)
         )
         return count
+
+    def _check_reload(self, report: dict) -> None:
+        """Record which engine tensors each pushed tensor wrote (the push check's sources); raise naming the
+        layers the reload left stale."""
+        for ck, targets in report["loads"].items():
+            self._loads[ck] = sorted(set(self._loads.get(ck, ())) | set(targets))
+        stale = report["missed"] + report["partial"]
+        if stale:
+            raise WeightSyncError(
+                f"vLLM's weight reload left {stale[:4]}{' ...' if len(stale) > 4 else ''} ({len(stale)} layers) "
+                f"stale: {len(report['missed'])} received none of their weights (vLLM logs 'Failed to load "
+                f"weights' and keeps the old ones), {len(report['partial'])} only part of them. vLLM "
+                f"{_vllm_version()}'s in-place reload does not update this model's layers on the "
+                f"{self._platform} platform: train it with rollout.engine=hf"
+            )
+
+    def prompt_logprobs(self, tokens: Tensor) -> Tensor:
+        """[N, L-1] float32: the log-prob of `tokens[:, 1:]` given their prefixes under the weights held now
+        (temperature 1, no truncation: vLLM's prompt log-probs skip the sampling processors), for the push's
+        log-prob probe (rlkit.weights.probe_gap)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._push_guard.check()
+        self.wake()
+        rows = tokens.tolist()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        return torch.tensor(
+            [[out.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))] for out, r in zip(outputs, rows)],
+            dtype=torch.float32,
+        )
 
     def sleep(self) -> None:
         """Free the KV cache (and offload or drop the weights, per `sleep_level`) for the learner."""
@@ -478,30 +536,26 @@ class VLLMEngine:
         return self.dtype
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
-        """sha256 of each parameter as vLLM's worker holds it (stacked, repacked on CPU), by name: of `names`
-        only (the ones the push check reads: `digest_sources`), or of all."""
+        """sha256 of every tensor of vLLM's worker whose bytes a push determines (of `names` only, unless None):
+        each parameter and persistent buffer, as held (stacked, repacked on CPU), except those a layer's
+        processing emptied (on CPU a repacked linear keeps its weight elsewhere, in the kernel's format: the
+        log-prob probe covers those)."""
+        if self._held is None:
+            held = {}
+            for worker in self.llm.collective_rpc(worker_tensors):
+                held.update({n: is_param for n, (numel, is_param) in worker.items() if numel > 0})
+            self._held = sorted(held)
+        wanted = [n for n in self._held if names is None or n in names]
         digests = {}
-        for worker in self.llm.collective_rpc(_worker_digests, kwargs={"names": names}):
+        for worker in self.llm.collective_rpc(_worker_digests, kwargs={"names": wanted}):
             digests.update(worker)
         return digests
 
     def digest_sources(self) -> dict[str, list[str]]:
-        """{vLLM parameter: the pushed tensors it is built from}: a push is checked by change (rlkit.weights).
-
-        On CPU vLLM repacks every linear layer's weight into its kernel format after loading and the
-        parameter its digest reads stays as loaded the first time (measured: after a push of changed weights
-        the embedding's and every norm's digests change, the projections' do not), so on CPU the check covers
-        the embedding and the norms; the log-prob check (`rollout.weight_sync_kl_threshold`) covers the rest."""
-        if self._sources is None:
-            tied = {alias: name for name, aliases in self._aliases.items() for alias in aliases}
-            held = set().union(*self.llm.collective_rpc(_worker_param_names))
-            sources = engine_sources(held, self.manifest, tied)
-            if self.on_cpu:
-                sources = {
-                    e: s for e, s in sources.items() if not any(f".{k}." in f".{e}" for k in _REPACKED)
-                }
-            self._sources = sources
-        return self._sources
+        """{vLLM tensor: the pushed (learner) tensors it is built from}, as the pushes so far recorded them at
+        vLLM's own weight loaders (empty before the first push): a push is checked by change
+        (rlkit.weights.check_engine)."""
+        return engine_sources(self._loads, self._origins)
 
     def close(self) -> None:
         """Drop the engine and vLLM's parallel groups (and the process group vLLM itself created),
