@@ -397,9 +397,13 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
             moved = [e for e, d in held.items() if e in before and before[e] != d]
             if moved:
                 raise _sync_error(engine, "changed although the learner's weights did not", moved)
-        stale = [e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]]
+        stale = [
+            e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]
+        ]
         if stale:
-            raise _sync_error(engine, "did not change although the learner's weights they are built from did", stale)
+            raise _sync_error(
+                engine, "did not change although the learner's weights they are built from did", stale
+            )
     return {"learner": learner, "engine": held}
 
 
@@ -417,8 +421,9 @@ def probe_bound(*dtypes: torch.dtype) -> float:
     return max(PROBE_BOUND.get(d, PROBE_BOUND[torch.bfloat16]) for d in dtypes)
 
 
-def probe_tokens(vocab_size: int, *, rows: int = 2, length: int = 32, seed: int = 0) -> Tensor:
-    """[rows, length] token ids, the same on every call (the probe's fixed input)."""
+def probe_tokens(vocab_size: int = 1000, *, rows: int = 2, length: int = 32, seed: int = 0) -> Tensor:
+    """[rows, length] token ids below `vocab_size` (every vocabulary has the first thousand), the same on every
+    call: the probe's fixed input, which both sides compute without talking to each other."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (rows, length), generator=g)
 

@@ -68,20 +68,25 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                              truncate=False, original_max_position_embeddings=256),
     )),
     "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="greedy")),  # V2-Lite's shape
-    "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, n_group=2, topk_group=1)),  # noaux_tc
+    "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, n_group=2, topk_group=1, topk_method="noaux_tc")),  # noaux_tc
 }  # fmt: skip
 MOE = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v2", "deepseek-v3")
 
 
-def family_config(name: str, tokenizer):
-    """The transformers config of family `name` with the tokenizer's vocabulary and special tokens."""
+def family_config(name: str, tokenizer=None):
+    """The transformers config of family `name` with the tokenizer's vocabulary and special tokens (without
+    one: a 512-token vocabulary, for tests that never tokenise)."""
     import transformers
 
     cls_name, kwargs = FAMILIES[name]
-    return getattr(transformers, cls_name)(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **kwargs,
-    )  # fmt: skip
+    if tokenizer is None:
+        vocab = dict(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    else:
+        vocab = dict(
+            vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+    return getattr(transformers, cls_name)(**vocab, **kwargs)
 
 
 def build_family(name: str, directory, *, tokenizer_path: str = "smollm2-135m", seed: int = 0) -> str:

@@ -33,7 +33,15 @@ from rlkit.rollout.evaluation import (
 )
 from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
-from rlkit.weights import Export, push_weights, verify_push
+from rlkit.weights import (
+    Export,
+    check_probe,
+    probe_bound,
+    probe_gap,
+    probe_tokens,
+    push_weights,
+    verify_push,
+)
 
 
 class LocalRollouts:
@@ -92,6 +100,12 @@ class LocalRollouts:
             self.push(export, step)
         elif self.cfg.rollout.verify_push:
             self.digests = verify_push(export, self.engine)
+            # [issue 43 wiring: WeightSync ports this] The engine as loaded computes what the learner computes;
+            # an engine in its own layout (vLLM) then gets the same weights pushed once: no tensor of it may
+            # change and the probe must still agree (a push that mangles a layer stops the run here).
+            self.probe(export, when="as loaded, before training")
+            if self.engine.digest_sources() is not None:
+                self.push(export, 0)
 
     def produce(self, step: int, timers) -> ScoredBatch:
         return self.producer.produce(step, timers)
@@ -103,8 +117,26 @@ class LocalRollouts:
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)
+            gap = self.probe(export, when=f"after the push of version {version}")  # [issue 43 wiring]
             stats = {**stats, "verify_seconds": time.perf_counter() - start}
+            if gap is not None:
+                stats["probe_gap"] = gap
         return stats
+
+    def probe(self, export: Export, *, when: str) -> float | None:
+        """[issue 43 wiring: WeightSync ports this] The log-prob probe: the engine's log-probs of fixed tokens
+        against the learner's (`export.probe`, a collective on every learner rank), within the bound of the
+        compute dtype or `rollout.accept_engine_gap`; a `WeightSyncError` otherwise. None where the engine has
+        no prompt log-probs (the HF engine, which is checked tensor for tensor)."""
+        if export.probe is None or not hasattr(self.engine, "prompt_logprobs"):
+            return None
+        tokens = probe_tokens()
+        gap = probe_gap(self.engine.prompt_logprobs(tokens), export.probe(tokens))
+        bound = probe_bound(export.probe_dtype, self.engine.weight_dtype)
+        check_probe(
+            gap, bound, when=when, engine=self.engine.name, accepted=self.cfg.rollout.accept_engine_gap
+        )
+        return gap
 
     def evaluate(self, version: int) -> dict[str, float]:
         """The `eval/*` metrics of the engine's weights `version` on the held-out split (never masked):

@@ -33,7 +33,9 @@ def _revert(model: torch.nn.Module, group: dict[str, Tensor]) -> dict[str, Tenso
     return revert_weight_conversion(model, group)
 
 
-def to_checkpoint(named: Iterable[tuple[str, Tensor]], model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def to_checkpoint(
+    named: Iterable[tuple[str, Tensor]], model: torch.nn.Module
+) -> Iterator[tuple[str, Tensor]]:
     """`named` (in-memory names, a decoder layer's tensors consecutive, as `rlkit.weights.exported` yields
     them) in checkpoint names and layouts; `model` is the transformers model they belong to (a weightless
     copy will do: only its class and config are read)."""

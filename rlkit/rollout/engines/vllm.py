@@ -191,7 +191,9 @@ def _head_dim(model_path: str) -> int | None:
 def _worker_digests(worker, names) -> dict[str, str]:
     """Runs in the worker: sha256 of the named parameters and persistent buffers of its model."""
     model = worker.model_runner.get_model()
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False)
+    )
     return {n: digest(tensors[n]) for n in names}
 
 
@@ -298,7 +300,9 @@ class VLLMEngine:
             for name, aliases in self._aliases.items():
                 for alias in aliases:
                     self._origins[alias] = [name]
-            self._loads: dict[str, list[str]] = {}  # what the pushes' loaders wrote (vllm_reload.worker_reload)
+            self._loads: dict[
+                str, list[str]
+            ] = {}  # what the pushes' loaders wrote (vllm_reload.worker_reload)
             self._push_guard = PushGuard(self.name)
             self.on_cpu = on_cpu
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
@@ -456,7 +460,8 @@ class VLLMEngine:
         if self._engine_modules is None:
             self._engine_modules = set(self.llm.collective_rpc(worker_module_names)[0])
         aliases = {
-            n: [a for a in al if a.rpartition(".")[0] in self._engine_modules] for n, al in self._aliases.items()
+            n: [a for a in al if a.rpartition(".")[0] in self._engine_modules]
+            for n, al in self._aliases.items()
         }
 
         def in_checkpoint_format(stream):
@@ -467,7 +472,9 @@ class VLLMEngine:
 
         def copy(stream):
             try:
-                reports = self.llm.collective_rpc(worker_reload, kwargs={"weights": in_checkpoint_format(stream)})
+                reports = self.llm.collective_rpc(
+                    worker_reload, kwargs={"weights": in_checkpoint_format(stream)}
+                )
             except BaseException:
                 # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
                 # (the weights stay partly old, partly new: the guard refuses to generate).
@@ -514,7 +521,10 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         return torch.tensor(
-            [[out.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))] for out, r in zip(outputs, rows)],
+            [
+                [out.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))]
+                for out, r in zip(outputs, rows)
+            ],
             dtype=torch.float32,
         )
 

@@ -142,14 +142,15 @@ def worker_close_failed_reload(worker) -> None:
 def worker_tensors(worker) -> dict[str, tuple[int, bool]]:
     """Runs in the worker: {parameter or persistent buffer: (numel, is a parameter)} of its model."""
     model = worker.model_runner.get_model()
-    out = {}
+    out, seen = {}, set()
     for path, layer in model.named_modules():
-        for n, p in layer._parameters.items():
-            if p is not None:
-                out[f"{path}.{n}" if path else n] = (p.numel(), True)
-        for n, b in layer._buffers.items():
-            if b is not None and n not in layer._non_persistent_buffers_set:
-                out[f"{path}.{n}" if path else n] = (b.numel(), False)
+        tensors = [(n, p, True) for n, p in layer._parameters.items()] + [
+            (n, b, False) for n, b in layer._buffers.items() if n not in layer._non_persistent_buffers_set
+        ]
+        for n, t, is_param in tensors:
+            if t is not None and id(t) not in seen:  # a tied tensor once, under its first name
+                seen.add(id(t))
+                out[f"{path}.{n}" if path else n] = (t.numel(), is_param)
     return out
 
 

@@ -35,7 +35,7 @@ from rlkit.rollout.remote.messages import (
 )
 from rlkit.rollout.remote.wire import bridge
 from rlkit.timing import Timers
-from rlkit.weights import check_engine, receive_weights
+from rlkit.weights import check_engine, check_probe, probe_bound, probe_gap, probe_tokens, receive_weights
 
 # Launcher variables a worker must not inherit from learner rank 0 (it is rank r of its own world).
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -167,12 +167,26 @@ class _Server:
                     f"rollout worker {self.r}: expected the digests of push {msg.version}, got {sent!r}"
                 )
             self.checked = check_engine(sent.digests, engine, self.checked)
+            if sent.probe is not None and not in_flight:  # [issue 43 wiring] (in flight: inside a generation)
+                self.probe(sent, first=self.version < 0)
         self.version = msg.version
         if in_flight:
             engine.set_version(msg.version, in_flight=True)
         else:
             engine.set_version(msg.version)
         self.credits += msg.grant
+
+    def probe(self, sent: Digests, *, first: bool) -> None:
+        """[issue 43 wiring: WeightSync ports this] The log-prob probe against the learner's (`sent.probe`);
+        the first push is also checked on the engine as loaded, before it (see LocalRollouts.start)."""
+        engine = self.rollouts.engine
+        if not hasattr(engine, "prompt_logprobs"):
+            return
+        gap = probe_gap(engine.prompt_logprobs(probe_tokens()), sent.probe)
+        bound = probe_bound(getattr(torch, sent.probe_dtype), engine.weight_dtype)
+        accepted = self.rollouts.cfg.rollout.accept_engine_gap
+        when = "after the first push" if first else f"after the push of version {sent.version}"
+        check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted)
 
     def between_steps(self) -> None:
         """Called by the engine between two of its steps (in-flight updates): take what may be taken now."""
