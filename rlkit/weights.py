@@ -378,8 +378,9 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
     elsewhere, such as a weight emptied after its layer was repacked): when no learner tensor changed since
     the previous check, no engine tensor may have changed (a push of the same weights must give the same
     bytes); and every engine tensor built from a learner tensor that changed must have changed too (a push
-    that delivered nothing, or not to that tensor), whatever the learning rate. A mismatch raises
-    `WeightSyncError` naming the tensors.
+    that delivered nothing, or not to that tensor), whatever the learning rate (before a push has told which
+    engine tensors a learner tensor writes, `engine.digest_sources()` is empty: then some engine tensor must
+    have changed). A mismatch raises `WeightSyncError` naming the tensors.
     """
     sources = engine.digest_sources()
     held = engine.weight_digests()
@@ -400,6 +401,10 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
         stale = [
             e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]
         ]
+        if (
+            changed and not sources and held == before
+        ):  # before any push mapped the sources: none moved at all
+            stale = sorted(held)
         if stale:
             raise _sync_error(
                 engine, "did not change although the learner's weights they are built from did", stale
@@ -433,15 +438,25 @@ def probe_gap(engine_logp: Tensor, learner_logp: Tensor) -> float:
     return float((engine_logp.float() - learner_logp.float()).abs().mean())
 
 
-def check_probe(gap: float, bound: float, *, when: str, engine: str, accepted: float | None = None) -> None:
+def check_probe(
+    gap: float, bound: float, *, when: str, engine: str, accepted: float | None = None, at_load: bool = False
+) -> None:
     """Raise `WeightSyncError` when the probe's `gap` exceeds `bound` (or the gap the run `accepted`,
-    `rollout.accept_engine_gap`, when that is larger)."""
+    `rollout.accept_engine_gap`, when that is larger). `at_load`: the engine as loaded, before any push (a gap
+    there is the engine's forward; after a push it is the push)."""
     limit = bound if accepted is None else max(bound, accepted)
-    if not gap <= limit:  # NaN fails too
-        raise WeightSyncError(
-            f"the {engine} engine's log-probs differ from the learner's {when}: mean |dlogp| = {gap:.3g} on the "
-            f"probe's fixed tokens, above {limit:.3g} (the bound for this compute dtype"
-            f"{'' if accepted is None else ', or rollout.accept_engine_gap'}). The engine does not compute what "
-            "the learner computes: a weight push that left tensors stale, or a forward of the engine that differs "
-            "for this model on this platform"
+    if gap <= limit:
+        return
+    if at_load:
+        why = (
+            "The engine's forward differs from the learner's for this model on this platform: train with "
+            f"rollout.engine=hf, or accept the gap with rollout.accept_engine_gap={float(f'{gap * 1.5:.1g}')} (the run "
+            "then trains on log-probs that differ by that much)"
         )
+    else:
+        why = "The push left the engine computing something else (stale or mangled tensors): train with rollout.engine=hf"
+    raise WeightSyncError(
+        f"the {engine} engine's log-probs differ from the learner's {when}: mean |dlogp| = {gap:.3g} on the "
+        f"probe's fixed tokens, above {limit:.3g} (the bound of this compute dtype"
+        f"{'' if accepted is None else ' or rollout.accept_engine_gap'}). {why}"
+    )

@@ -131,6 +131,11 @@ class Learner:
             m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu"
         )
         policy.config.use_cache = False
+        # Mixture-of-experts: no router auxiliary (load-balancing) loss. rlkit's loss is built from the
+        # log-probs alone and transformers adds that term only to its own `loss` (with labels, which rlkit never
+        # passes); router logits are not even returned, so none are computed for nothing (docs: Supported models).
+        if getattr(policy.config, "output_router_logits", False):
+            policy.config.output_router_logits = False
         if m.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:

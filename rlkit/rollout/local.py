@@ -103,7 +103,7 @@ class LocalRollouts:
             # [issue 43 wiring: WeightSync ports this] The engine as loaded computes what the learner computes;
             # an engine in its own layout (vLLM) then gets the same weights pushed once: no tensor of it may
             # change and the probe must still agree (a push that mangles a layer stops the run here).
-            self.probe(export, when="as loaded, before training")
+            self.probe(export, when="as loaded, before training", at_load=True)
             if self.engine.digest_sources() is not None:
                 self.push(export, 0)
 
@@ -123,7 +123,7 @@ class LocalRollouts:
                 stats["probe_gap"] = gap
         return stats
 
-    def probe(self, export: Export, *, when: str) -> float | None:
+    def probe(self, export: Export, *, when: str, at_load: bool = False) -> float | None:
         """[issue 43 wiring: WeightSync ports this] The log-prob probe: the engine's log-probs of fixed tokens
         against the learner's (`export.probe`, a collective on every learner rank), within the bound of the
         compute dtype or `rollout.accept_engine_gap`; a `WeightSyncError` otherwise. None where the engine has
@@ -133,9 +133,8 @@ class LocalRollouts:
         tokens = probe_tokens()
         gap = probe_gap(self.engine.prompt_logprobs(tokens), export.probe(tokens))
         bound = probe_bound(export.probe_dtype, self.engine.weight_dtype)
-        check_probe(
-            gap, bound, when=when, engine=self.engine.name, accepted=self.cfg.rollout.accept_engine_gap
-        )
+        accepted = self.cfg.rollout.accept_engine_gap
+        check_probe(gap, bound, when=when, engine=self.engine.name, accepted=accepted, at_load=at_load)
         return gap
 
     def evaluate(self, version: int) -> dict[str, float]:

@@ -67,12 +67,12 @@ def _expected(name: str) -> dict:
 def _record(name: str, row: dict) -> None:
     if os.environ.get("RLKIT_WRITE_SUPPORTED") != "1":
         return
-    import importlib.metadata as md
+    import importlib
     import time
 
     data = json.loads(SUPPORTED.read_text()) if SUPPORTED.exists() else {"families": {}}
     data["families"][name] = row
-    data["versions"] = {p: md.version(p) for p in ("vllm", "transformers", "torch")}
+    data["versions"] = {p: importlib.import_module(p).__version__ for p in ("vllm", "transformers", "torch")}
     data["date"] = time.strftime("%Y-%m-%d")
     SUPPORTED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
@@ -92,7 +92,7 @@ def vllm_outcome(ckpt: str) -> dict:
         learner_logprobs(model, tokens)  # the colocated learner still runs (vLLM's Transformers backend)
         out = {"load_gap": probe_gap(engine.prompt_logprobs(tokens), learner_logprobs(model, tokens))}
         try:
-            check_probe(out["load_gap"], BOUND, when="as loaded", engine="vllm")
+            check_probe(out["load_gap"], BOUND, when="as loaded", engine="vllm", at_load=True)
             before = verify_push(export, engine)
             engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
             same = verify_push(export, engine, before)  # nothing changed: every digest unchanged

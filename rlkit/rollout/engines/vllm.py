@@ -41,23 +41,15 @@ from rlkit.rollout.engines.base import (
     check_generate_args,
     record_throughput,
 )
-from rlkit.rollout.engines.checkpoint_format import checkpoint_origins, to_checkpoint
 from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
 from rlkit.rollout.engines.vllm_logs import quiet_push_logs
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
-from rlkit.rollout.engines.vllm_reload import (
-    worker_close_failed_reload,
-    worker_module_names,
-    worker_reload,
-    worker_tensors,
-)
+from rlkit.rollout.engines.vllm_push import PushBook
+from rlkit.rollout.engines.vllm_reload import worker_close_failed_reload, worker_reload
 from rlkit.weights import (
     PushGuard,
-    WeightSyncError,
     check_manifest,
     clean_param_name,
-    digest,
-    engine_sources,
     module_manifest,
     tied_aliases,
 )
@@ -188,27 +180,12 @@ def _head_dim(model_path: str) -> int | None:
     return head
 
 
-def _worker_digests(worker, names) -> dict[str, str]:
-    """Runs in the worker: sha256 of the named parameters and persistent buffers of its model."""
-    model = worker.model_runner.get_model()
-    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(
-        model.named_buffers(remove_duplicate=False)
-    )
-    return {n: digest(tensors[n]) for n in names}
-
-
 def _compiles(llm) -> bool:
     """Whether vLLM compiles the model itself (its `support_torch_compile` decoration is then in use)."""
     from vllm.config import CompilationMode
 
     mode = llm.llm_engine.vllm_config.compilation_config.mode
     return mode not in (CompilationMode.NONE, CompilationMode.STOCK_TORCH_COMPILE)
-
-
-def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
 
 
 class VLLMEngine:
@@ -294,15 +271,6 @@ class VLLMEngine:
                 meta = AutoModelForCausalLM.from_config(config)
             self.manifest = module_manifest(meta)
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
-            # The weightless model also converts pushes into checkpoint names (`to_checkpoint`).
-            self._meta = meta
-            self._origins = checkpoint_origins(meta, self.manifest)
-            for name, aliases in self._aliases.items():
-                for alias in aliases:
-                    self._origins[alias] = [name]
-            self._loads: dict[
-                str, list[str]
-            ] = {}  # what the pushes' loaders wrote (vllm_reload.worker_reload)
             self._push_guard = PushGuard(self.name)
             self.on_cpu = on_cpu
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
@@ -348,9 +316,8 @@ class VLLMEngine:
         self._weights_lost = False  # level-2 sleep dropped the weights; a push must come first
         self._calls = 0
         self._seed = seed
-        self._platform = current_platform.device_type
-        self._engine_modules: set[str] | None = None
-        self._held: list[str] | None = None
+        # The weightless model converts every push into checkpoint names; what the pushes recorded.
+        self._book = PushBook(meta, self.manifest, self._aliases, current_platform.device_type)
 
     def set_version(self, version: int, *, in_flight: bool = False) -> None:
         """The weights held now are policy version `version`: vLLM labels every later step's tokens with it
@@ -457,18 +424,9 @@ class VLLMEngine:
             # The weights must be mapped on the GPU before writing into them (the KV cache stays freed).
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        if self._engine_modules is None:
-            self._engine_modules = set(self.llm.collective_rpc(worker_module_names)[0])
-        aliases = {
-            n: [a for a in al if a.rpartition(".")[0] in self._engine_modules]
-            for n, al in self._aliases.items()
-        }
 
         def in_checkpoint_format(stream):
-            for name, tensor in to_checkpoint(((vllm_weight_name(n), t) for n, t in stream), self._meta):
-                yield name, tensor
-                for alias in aliases.get(name, ()):
-                    yield alias, tensor
+            return self._book.checkpoint_stream(self.llm, ((vllm_weight_name(n), t) for n, t in stream))
 
         def copy(stream):
             try:
@@ -481,7 +439,7 @@ class VLLMEngine:
                 self.llm.collective_rpc(worker_close_failed_reload)
                 raise
             for report in reports:
-                self._check_reload(report)
+                self._book.record(report)
 
         start = time.perf_counter()
         with quiet_push_logs() as quieted:  # vLLM's per-push lines: one rlkit debug line below
@@ -492,21 +450,6 @@ class VLLMEngine:
             "vLLM push: %d tensors in %.3f s (%s)", count, time.perf_counter() - start, "; ".join(quieted)
         )
         return count
-
-    def _check_reload(self, report: dict) -> None:
-        """Record which engine tensors each pushed tensor wrote (the push check's sources); raise naming the
-        layers the reload left stale."""
-        for ck, targets in report["loads"].items():
-            self._loads[ck] = sorted(set(self._loads.get(ck, ())) | set(targets))
-        stale = report["missed"] + report["partial"]
-        if stale:
-            raise WeightSyncError(
-                f"vLLM's weight reload left {stale[:4]}{' ...' if len(stale) > 4 else ''} ({len(stale)} layers) "
-                f"stale: {len(report['missed'])} received none of their weights (vLLM logs 'Failed to load "
-                f"weights' and keeps the old ones), {len(report['partial'])} only part of them. vLLM "
-                f"{_vllm_version()}'s in-place reload does not update this model's layers on the "
-                f"{self._platform} platform: train it with rollout.engine=hf"
-            )
 
     def prompt_logprobs(self, tokens: Tensor) -> Tensor:
         """[N, L-1] float32: the log-prob of `tokens[:, 1:]` given their prefixes under the weights held now
@@ -546,26 +489,16 @@ class VLLMEngine:
         return self.dtype
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
-        """sha256 of every tensor of vLLM's worker whose bytes a push determines (of `names` only, unless None):
-        each parameter and persistent buffer, as held (stacked, repacked on CPU), except those a layer's
-        processing emptied (on CPU a repacked linear keeps its weight elsewhere, in the kernel's format: the
-        log-prob probe covers those)."""
-        if self._held is None:
-            held = {}
-            for worker in self.llm.collective_rpc(worker_tensors):
-                held.update({n: is_param for n, (numel, is_param) in worker.items() if numel > 0})
-            self._held = sorted(held)
-        wanted = [n for n in self._held if names is None or n in names]
-        digests = {}
-        for worker in self.llm.collective_rpc(_worker_digests, kwargs={"names": wanted}):
-            digests.update(worker)
-        return digests
+        """sha256 of every tensor of vLLM's model whose bytes a push determines, as held (stacked, repacked on
+        CPU), of `names` only unless None: all its parameters and persistent buffers but those a layer's
+        processing emptied (vllm_push.PushBook)."""
+        return self._book.digests(self.llm, names)
 
     def digest_sources(self) -> dict[str, list[str]]:
         """{vLLM tensor: the pushed (learner) tensors it is built from}, as the pushes so far recorded them at
         vLLM's own weight loaders (empty before the first push): a push is checked by change
         (rlkit.weights.check_engine)."""
-        return engine_sources(self._loads, self._origins)
+        return self._book.sources()
 
     def close(self) -> None:
         """Drop the engine and vLLM's parallel groups (and the process group vLLM itself created),

@@ -139,19 +139,30 @@ def worker_close_failed_reload(worker) -> None:
     finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
 
 
-def worker_tensors(worker) -> dict[str, tuple[int, bool]]:
-    """Runs in the worker: {parameter or persistent buffer: (numel, is a parameter)} of its model."""
+def worker_tensors(worker) -> dict[str, int]:
+    """Runs in the worker: {parameter or persistent buffer: numel} of its model, a tied tensor once."""
     model = worker.model_runner.get_model()
     out, seen = {}, set()
     for path, layer in model.named_modules():
-        tensors = [(n, p, True) for n, p in layer._parameters.items()] + [
-            (n, b, False) for n, b in layer._buffers.items() if n not in layer._non_persistent_buffers_set
+        tensors = list(layer._parameters.items()) + [
+            (n, b) for n, b in layer._buffers.items() if n not in layer._non_persistent_buffers_set
         ]
-        for n, t, is_param in tensors:
-            if t is not None and id(t) not in seen:  # a tied tensor once, under its first name
+        for n, t in tensors:
+            if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                out[f"{path}.{n}" if path else n] = (t.numel(), is_param)
+                out[f"{path}.{n}" if path else n] = t.numel()
     return out
+
+
+def worker_digests(worker, names) -> dict[str, str]:
+    """Runs in the worker: sha256 of the named parameters and persistent buffers of its model."""
+    from rlkit.weights import digest
+
+    model = worker.model_runner.get_model()
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False)
+    )
+    return {n: digest(tensors[n]) for n in names}
 
 
 def worker_module_names(worker) -> list[str]:

@@ -186,7 +186,8 @@ class _Server:
         bound = probe_bound(getattr(torch, sent.probe_dtype), engine.weight_dtype)
         accepted = self.rollouts.cfg.rollout.accept_engine_gap
         when = "after the first push" if first else f"after the push of version {sent.version}"
-        check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted)
+        # The first push brings the weights the engine loaded: a gap there is the engine's forward.
+        check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted, at_load=first)
 
     def between_steps(self) -> None:
         """Called by the engine between two of its steps (in-flight updates): take what may be taken now."""
