@@ -1,5 +1,5 @@
 """Tiny random checkpoints of every model family users train (issue 43), built from transformers' own config
-classes at test time: hidden 128, 2 layers, head_dim 32 (the smallest vLLM's CPU attention runs), the SmolLM2
+classes at test time: hidden 128, 2 layers, head_dim 32 (the smallest vLLM's CPU attention runs; MLA: 64), the SmolLM2
 tokenizer, each family's features on (tied and untied heads, q/k norms, soft-capping, sliding windows, rope
 scaling, Granite's multipliers; mixture-of-experts with 4 experts, top-2).
 
@@ -22,9 +22,10 @@ _ATTN = dict(
     max_position_embeddings=MAX_POSITIONS,
 )  # fmt: skip
 _DENSE = dict(_ATTN, intermediate_size=2 * HIDDEN)
+# MLA: vLLM's MLA attention needs kv_lora_rank + qk_rope_head_dim in (320, 512, 576); 256 + 64 here.
 _MLA = dict(
-    _ATTN, intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS, kv_lora_rank=64, qk_rope_head_dim=32,
-    qk_nope_head_dim=32, v_head_dim=32, head_dim=32, moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS,
+    _ATTN, intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS, kv_lora_rank=256, qk_rope_head_dim=64,
+    qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS,
     num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1,
 )  # fmt: skip
 

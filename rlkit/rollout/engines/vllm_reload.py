@@ -13,6 +13,11 @@ copy the result into the kernel tensors) and also reports, from vLLM's own bookk
   reload (their quantization scales, which an unquantized checkpoint does not hold);
 - `partial`: layers that received some of their elements only (processed with the rest stale).
 
+Tensors no weight loader took (a loader writing with a bare `copy_`, which the layerwise reload neither counts
+nor lets reach the real tensors: vLLM 0.32's gpt-oss experts, their biases and attention sinks) are loaded
+again through the model's initial-load path into the live tensors, and those layers processed again
+(`_load_directly`); only layers still not wholly written are reported `missed`.
+
 On the CPU platform it then redoes, for every mixture-of-experts layer the push reloaded, the expert prepack
 that vLLM's unquantized fused-MoE method applies at the first load and skips on a weight update (its
 `fused_experts.process_weights_after_loading`): without it the reload copies the new weights in the checkpoint
@@ -56,11 +61,65 @@ def _record_loads(model) -> None:
             tensor.weight_loader = recorder
 
 
-def _tracked(weights):
+def _tracked(weights, unrecorded: list):
+    """The stream, noting the tensor being loaded; keeps those no weight loader took (`unrecorded`)."""
     for name, tensor in weights:
         _RECORDING["current"] = name
         yield name, tensor
+        if name not in _RECORDING["loads"]:
+            unrecorded.append((name, tensor))
     _RECORDING["current"] = None
+
+
+def _written(fn) -> dict[int, int]:
+    """Run `fn()`; {storage address: elements written} of every `copy_` it made."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    written: dict[int, int] = {}
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                ptr = args[0].untyped_storage().data_ptr()
+                written[ptr] = written.get(ptr, 0) + args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    with Writes():
+        fn()
+    return written
+
+
+def _load_directly(model, missed: list[str], unrecorded: list, loads: dict) -> list[str]:
+    """The initial-load path for layers the layerwise reload could not count: some loaders (vLLM 0.32's gpt-oss
+    experts and attention sinks) write with a bare `copy_` instead of their weight loader, which the layerwise
+    reload neither sees nor lets reach the real tensors. Each such tensor (`unrecorded`) goes through the model's
+    `load_weights` once more, now into the live tensors (what it wrote is recorded in `loads`), and each such
+    layer's post-load processing runs again. Returns the layers still not (wholly) written."""
+    owners = {}  # storage address -> (layer path, parameter name)
+    for path in missed:
+        for pname, p in model.get_submodule(path)._parameters.items():
+            if p is not None and p.numel() > 0:
+                owners[p.untyped_storage().data_ptr()] = (path, pname)
+    written: dict[tuple[str, str], int] = {}
+    for name, tensor in unrecorded:
+        for ptr, numel in _written(lambda: model.load_weights([(name, tensor)])).items():  # noqa: B023
+            if ptr in owners:
+                written[owners[ptr]] = written.get(owners[ptr], 0) + numel
+                loads.setdefault(name, set()).add(".".join(owners[ptr]))
+    still = []
+    for path in missed:
+        params = {
+            n: p for n, p in model.get_submodule(path)._parameters.items() if p is not None and p.numel()
+        }
+        if not params or any(written.get((path, n), 0) < p.numel() for n, p in params.items()):
+            still.append(path)
+            continue
+        layer = model.get_submodule(path)
+        method = getattr(layer, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(layer)
+    return still
 
 
 def _unloaded(model) -> tuple[list[str], list[str]]:
@@ -114,15 +173,18 @@ def worker_reload(worker, weights) -> dict:
     runner = worker.model_runner
     model = runner.get_model()
     loads: dict[str, set[str]] = {}
+    unrecorded: list = []
     initialize_layerwise_reload(model)
     _record_loads(model)
     _RECORDING.update(loads=loads, current=None)
     try:
-        model.load_weights(_tracked(weights))
+        model.load_weights(_tracked(weights, unrecorded))
     finally:
         _RECORDING.update(loads=None, current=None)
     missed, partial = _unloaded(model)
     finalize_layerwise_reload(model, worker.model_config)
+    if missed and unrecorded:
+        missed = _load_directly(model, missed, unrecorded, loads)
     touched = set().union(*loads.values()) if loads else set()
     prepacked = _redo_cpu_expert_prepack(model, touched)
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
