@@ -68,7 +68,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                              truncate=False, original_max_position_embeddings=256),
     )),
-    "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="greedy")),  # V2-Lite's shape
+    # V2-Lite's shape: no q compression, greedy routing in one group
+    "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)),
     "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, n_group=2, topk_group=1, topk_method="noaux_tc")),  # noaux_tc
 }  # fmt: skip
 MOE = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v2", "deepseek-v3")

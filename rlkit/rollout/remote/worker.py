@@ -159,14 +159,19 @@ class _Server:
     def take_push(self, msg: Push, *, in_flight: bool) -> None:
         """Receive version `msg.version` into the engine, check it (rollout.verify_push) and grant its batches."""
         engine = self.rollouts.engine
+        verify = self.rollouts.cfg.rollout.verify_push
+        # [issue 43 wiring] A run's first push at step 0 brings the weights the engine loaded: none of its tensors
+        # may change (check_engine, against the digests taken here).
+        loaded = engine.weight_digests() if verify and self.checked is None and msg.version == 0 else None
         receive_weights(self.pg, engine, msg.manifest, self.dtype, self.device)
-        if self.rollouts.cfg.rollout.verify_push:  # the learner's digests of this push come next
+        if verify:  # the learner's digests of this push come next
             sent = _control(self.ctrl, self.parent)
             if not isinstance(sent, Digests) or sent.version != msg.version:
                 raise RuntimeError(
                     f"rollout worker {self.r}: expected the digests of push {msg.version}, got {sent!r}"
                 )
-            self.checked = check_engine(sent.digests, engine, self.checked)
+            previous = self.checked if loaded is None else {"learner": sent.digests, "engine": loaded}
+            self.checked = check_engine(sent.digests, engine, previous)
             if sent.probe is not None and not in_flight:  # [issue 43 wiring] (in flight: inside a generation)
                 self.probe(sent, first=self.version < 0)
         self.version = msg.version
@@ -177,8 +182,8 @@ class _Server:
         self.credits += msg.grant
 
     def probe(self, sent: Digests, *, first: bool) -> None:
-        """[issue 43 wiring: WeightSync ports this] The log-prob probe against the learner's (`sent.probe`);
-        the first push is also checked on the engine as loaded, before it (see LocalRollouts.start)."""
+        """[issue 43 wiring: WeightSync ports this] The log-prob probe against the learner's (`sent.probe`). After
+        the first push (at step 0, the weights the engine loaded) a gap is the engine's forward, later the push's."""
         engine = self.rollouts.engine
         if not hasattr(engine, "prompt_logprobs"):
             return
