@@ -364,7 +364,8 @@ def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
 def _sync_error(engine, what: str, names: list[str]) -> WeightSyncError:
     return WeightSyncError(
         f"after the weight push the {engine.name} engine's {names[:3]}{' ...' if len(names) > 3 else ''} "
-        f"({len(names)} tensors) {what}: the push did not reach the engine whole"
+        f"({len(names)} tensors) {what}: the push did not reach the engine whole, or the engine mangled it. "
+        f"Train this model with rollout.engine=hf if it persists"
     )
 
 
