@@ -357,7 +357,11 @@ def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
     """Check, tensor by tensor, that the engine holds what the learner exported (`check_engine`); every rank
     calls it (the export's gathers are collectives). Returns the digests to pass as `previous` next time."""
     dtype = engine.weight_dtype
-    learner = {n: digest(t.to(dtype)) for n, t in export.tensors()}
+    sources = engine.digest_sources()
+    # What check_engine compares: every tensor for an engine in the checkpoint's layout, or one whose sources no
+    # push has recorded yet (vLLM at start-up); else the learner tensors the engine's hashed tensors come from.
+    read = set().union(*sources.values()) if sources else None
+    learner = {n: digest(t.to(dtype)) for n, t in export.tensors() if read is None or n in read}
     return check_engine(learner, engine, previous)
 
 
@@ -402,9 +406,7 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
         stale = [
             e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]
         ]
-        if (
-            changed and not sources and held == before
-        ):  # before any push mapped the sources: none moved at all
+        if changed and not sources and held == before:  # no push mapped the sources yet: none moved at all
             stale = sorted(held)
         if stale:
             raise _sync_error(

@@ -495,10 +495,10 @@ class VLLMEngine:
         return self._book.digests(self.llm, names)
 
     def digest_sources(self) -> dict[str, list[str]]:
-        """{vLLM tensor: the pushed (learner) tensors it is built from}, as the pushes so far recorded them at
-        vLLM's own weight loaders (empty before the first push): a push is checked by change
-        (rlkit.weights.check_engine)."""
-        return self._book.sources()
+        """{vLLM tensor: the pushed (learner) tensors it is built from}, for the tensors `weight_digests` hashes,
+        as the pushes so far recorded them at vLLM's own weight loaders (empty before the first push): a push
+        is checked by change (rlkit.weights.check_engine)."""
+        return self._book.sources(self.llm)
 
     def close(self) -> None:
         """Drop the engine and vLLM's parallel groups (and the process group vLLM itself created),

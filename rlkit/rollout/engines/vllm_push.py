@@ -63,19 +63,24 @@ class PushBook:
                 "platform: train it with rollout.engine=hf"
             )
 
-    def digests(self, llm, names=None) -> dict[str, str]:
-        """sha256 of every tensor of vLLM's model a push determines (of `names` only, unless None)."""
+    def held(self, llm) -> list[str]:
+        """vLLM's tensors whose bytes a push determines: every parameter and persistent buffer not emptied."""
         if self._held is None:
             held = set()
             for worker in llm.collective_rpc(worker_tensors):
                 held |= {n for n, numel in worker.items() if numel > 0}
             self._held = sorted(held)
-        wanted = [n for n in self._held if names is None or n in names]
+        return self._held
+
+    def digests(self, llm, names=None) -> dict[str, str]:
+        """sha256 of every tensor of vLLM's model a push determines (of `names` only, unless None)."""
+        wanted = [n for n in self.held(llm) if names is None or n in names]
         out = {}
         for worker in llm.collective_rpc(worker_digests, kwargs={"names": wanted}):
             out.update(worker)
         return out
 
-    def sources(self) -> dict[str, list[str]]:
-        """{vLLM tensor: the learner tensors it is built from}, as the pushes so far recorded them."""
-        return engine_sources(self.loads, self.origins)
+    def sources(self, llm) -> dict[str, list[str]]:
+        """{vLLM tensor hashed: the learner tensors it is built from}, as the pushes so far recorded them."""
+        held = set(self.held(llm))
+        return {e: src for e, src in engine_sources(self.loads, self.origins).items() if e in held}
