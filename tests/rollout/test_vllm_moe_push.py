@@ -16,8 +16,10 @@ from vllm_import import import_vllm
 import_vllm()
 
 from rlkit.models import load_causal_lm  # noqa: E402
-from rlkit.rollout.engines import vllm as vllm_module  # noqa: E402
-from rlkit.rollout.engines import vllm_reload  # noqa: E402
+from rlkit.rollout.engines import (
+    vllm_push,  # noqa: E402
+    vllm_reload,  # noqa: E402
+)
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
 from rlkit.weights import (  # noqa: E402
     Export,
@@ -58,17 +60,17 @@ def test_a_push_that_misses_an_expert_layer_fails_naming_it(moe, monkeypatch):
     ckpt, engine = moe
     model = load_causal_lm(ckpt)
     manifest = module_manifest(model)
-    real = vllm_module.to_checkpoint
+    real = vllm_push.to_checkpoint
 
     def skipping(named, meta):  # the checkpoint tensors of layer 1's experts never reach vLLM's loaders
         return ((n, t) for n, t in real(named, meta) if not n.startswith("model.layers.1.mlp.experts."))
 
-    monkeypatch.setattr(vllm_module, "to_checkpoint", skipping)
+    monkeypatch.setattr(vllm_push, "to_checkpoint", skipping)
     with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.mlp\.experts"):
         engine.load_weights(iter_full_parameters(model), manifest=manifest)
     with pytest.raises(RuntimeError, match="refuses to generate"):
         engine.generate([[1, 2, 3]], 1, Sampling(max_new_tokens=2, seed=0))
-    monkeypatch.setattr(vllm_module, "to_checkpoint", real)
+    monkeypatch.setattr(vllm_push, "to_checkpoint", real)
     engine.load_weights(iter_full_parameters(model), manifest=manifest)  # a whole push: usable again
     assert _gap(engine, model) <= probe_bound(torch.float32)
 
