@@ -16,10 +16,7 @@ from vllm_import import import_vllm
 import_vllm()
 
 from rlkit.models import load_causal_lm  # noqa: E402
-from rlkit.rollout.engines import (
-    vllm_push,  # noqa: E402
-    vllm_reload,  # noqa: E402
-)
+from rlkit.rollout.engines import vllm_push, vllm_reload  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
 from rlkit.weights import (  # noqa: E402
     Export,
