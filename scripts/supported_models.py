@@ -60,7 +60,7 @@ def render(data: dict) -> str:
         gaps = f"{row['load_gap']:.1e}" + (f" / {row['push_gap']:.1e}" if "push_gap" in row else "")
         vllm = STATUS[row["vllm"]]
         why = row.get("reason", "").replace("|", "/") + (
-            " Use rollout.engine=hf." if row["vllm"] != "trains" else ""
+            "; else rollout.engine=hf" if row["vllm"] != "trains" else ""
         )
         lines.append(f"| {name} | `{cls}` | {STATUS[row['hf']]} | {vllm} | {vllm} | {gaps} | {why.strip()} |")
     return "\n".join(lines) + "\n"
