@@ -22,9 +22,9 @@ _ATTN = dict(
     max_position_embeddings=MAX_POSITIONS,
 )  # fmt: skip
 _DENSE = dict(_ATTN, intermediate_size=2 * HIDDEN)
-# MLA: vLLM's MLA attention needs kv_lora_rank + qk_rope_head_dim in (320, 512, 576); 256 + 64 here.
+# MLA: vLLM's CPU MLA decode kernel runs only DeepSeek's latent shape, kv_lora_rank 512 + qk_rope_head_dim 64.
 _MLA = dict(
-    _ATTN, intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS, kv_lora_rank=256, qk_rope_head_dim=64,
+    _ATTN, intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS, kv_lora_rank=512, qk_rope_head_dim=64,
     qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS,
     num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1,
 )  # fmt: skip

@@ -163,7 +163,7 @@ class RolloutConfig:
     """The mean |dlogp| between the engine's and the learner's log-probs on the weight-sync probe's fixed tokens
     (rlkit.weights.probe_gap, run at start-up on the engine as loaded and after every push) that this run
     accepts above the bound of its compute dtype (fp32: 1e-4). null = none: an engine whose forward differs
-    from the learner's for this model (e.g. vLLM's CPU MLA attention of DeepSeek-V2/V3: 2.3e-3 and 5.6e-3 on
+    from the learner's for this model (e.g. vLLM's CPU MLA attention of DeepSeek-V2/V3: 2.5e-3 and 2.2e-3 on
     the tiny test models) is refused at start-up with the measured gap; set this to at least that gap to train
     with it anyway (docs/supported-models.md)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
