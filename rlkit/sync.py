@@ -16,12 +16,17 @@ loop, with the order that matters:
         step += 1
         if sync.eval_due(step): rollouts.evaluate(step)
 
-Two checks, because each misses what the other catches. The digest check (rlkit.weights.check_engine, run
-where the engine lives: in this process, or in each async rollout worker against the digests the learner
-sends) compares bytes: a push that delivered nothing or dropped a tensor fails it at once, whatever the
-learning rate. The log-prob check compares what the engine computes with what the learner computes on the
-same tokens, so it also catches an engine that holds the right bytes in the wrong place; it reads the first
-two batches after `start` (before and after the first push), when both sides hold the same weights.
+Three checks, because each misses what another catches; the first two run where the engine lives (in this
+process: rlkit/rollout/local.py; in each async rollout worker, against what the learner sends with the push):
+- the digests (rlkit.weights.check_engine) compare bytes: a push that delivered nothing, dropped a tensor or
+  left one stale fails at once, whatever the learning rate (an engine that repacks its tensors, vLLM, is
+  checked by change: unchanged weights must leave every digest as it was, changed ones must change it);
+- the log-prob probe (rlkit.weights.probe_*, `check_engine_probe`) compares the engine's log-probs of fixed
+  tokens with the learner's after every push, within a bound tied to the compute dtype: it catches an engine
+  that holds the right bytes but computes something else (a kernel-format step skipped after a reload), and at
+  start-up a model family whose engine forward differs (refused unless rollout.accept_engine_gap covers it);
+- `check_first_batches` reads mismatch/kl of the first two batches after `start` (before and after the first
+  push), when both sides hold the same weights: the rollout's own log-probs against the learner's.
 
 Why an eval rides on the push: in async mode the rollout workers hold the engine and must evaluate version v
 before they load v + 1, which may arrive while the learner trains; so whether v is evaluated must be known
@@ -85,6 +90,8 @@ class WeightSync:
         stats = self.rollouts.push(export, version, evaluate=self.eval_due(version))
         self.version = version
         metrics = {"perf/weight_push_gb": float(stats.get("bytes", 0)) / 1e9}
+        if "probe_gap" in stats:  # the colocated engine's (async workers check theirs and raise on their own)
+            metrics["weight_sync/probe_gap"] = stats["probe_gap"]
         if "verify_seconds" in stats:
             metrics["timing/verify_push_s"] = stats["verify_seconds"]
         for part in PUSH_PARTS:

@@ -47,6 +47,11 @@ class Export:
 
     manifest: Manifest
     tensors: Callable[[], Iterator[tuple[str, Tensor]]]
+    probe: Callable[[Tensor], Tensor] | None = None
+    """The learner's log-probs of `tokens[:, 1:]` given their prefixes (temperature 1, no truncation), [N, L-1]
+    float32 on the CPU, for the push's log-prob probe (`probe_gap`); every learner rank must call it."""
+    probe_dtype: torch.dtype = torch.float32
+    """The dtype the learner computes `probe` in (its bound: `probe_bound`)."""
 
 
 def clean_param_name(name: str) -> str:
@@ -318,9 +323,6 @@ def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) 
 
 # -- verifying a push: what the engine holds, tensor by tensor ---------------------------------------------
 
-# vLLM stacks these projections of the checkpoint into one parameter (its Llama / Qwen2 / Mistral models).
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
 
 def digest(tensor: Tensor) -> str:
     """sha256 of a tensor's bytes (vLLM's `compute_weight_checksums` digest)."""
@@ -328,22 +330,15 @@ def digest(tensor: Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
 
 
-def engine_sources(
-    engine_names: Iterable[str], manifest: Manifest, aliases: dict[str, str]
-) -> dict[str, list[str]]:
-    """{engine parameter: the learner tensors it is built from} for an engine that stacks projections (vLLM);
-    `aliases` maps an engine name to the learner name it copies (a tied head). Parameters with no learner
-    source (an engine's own buffers) are left out."""
-    out = {}
-    for name in engine_names:
-        candidates = [aliases.get(name, name)]
-        for packed, parts in PACKED.items():
-            if f".{packed}." in name:
-                candidates = [name.replace(f".{packed}.", f".{p}.") for p in parts]
-        sources = [c for c in candidates if c in manifest]
-        if sources:
-            out[name] = sources
-    return out
+def engine_sources(loads: dict[str, list[str]], origins: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{engine tensor: the learner tensors it is built from}, from what a push recorded: `loads` ({checkpoint
+    tensor: the engine tensors its loader wrote}, vLLM's own loaders) and `origins` ({checkpoint tensor: the
+    learner tensors it is made from})."""
+    out: dict[str, set[str]] = {}
+    for ck, targets in loads.items():
+        for e in targets:
+            out.setdefault(e, set()).update(origins.get(ck, ()))
+    return {e: sorted(src) for e, src in out.items() if src}
 
 
 def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
@@ -351,9 +346,19 @@ def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
     calls it (the export's gathers are collectives). Returns the digests to pass as `previous` next time."""
     dtype = engine.weight_dtype
     sources = engine.digest_sources()
-    read = None if sources is None else set().union(*sources.values())  # what check_engine compares
+    # What check_engine compares: every tensor for an engine in the checkpoint's layout, or one whose sources no
+    # push has recorded yet (vLLM at start-up); else the learner tensors the engine's hashed tensors come from.
+    read = set().union(*sources.values()) if sources else None
     learner = {n: digest(t.to(dtype)) for n, t in export.tensors() if read is None or n in read}
     return check_engine(learner, engine, previous)
+
+
+def _sync_error(engine, what: str, names: list[str]) -> WeightSyncError:
+    return WeightSyncError(
+        f"after the weight push the {engine.name} engine's {names[:3]}{' ...' if len(names) > 3 else ''} "
+        f"({len(names)} tensors) {what}: the push did not reach the engine whole, or the engine mangled it. "
+        f"Train this model with rollout.engine=hf if it persists"
+    )
 
 
 def check_engine(learner: dict[str, str], engine, previous: dict | None = None) -> dict:
@@ -361,13 +366,17 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
     holds. Returns the digests to pass as `previous` to the next check.
 
     An engine that keeps the checkpoint's layout (HF: `engine.digest_sources()` is None) must hold every
-    exported tensor exactly. One that stacks and repacks them (vLLM) is checked by change: every engine
-    parameter built from a learner tensor that changed since the previous check must have changed too, so a
-    push that delivered nothing, or dropped tensors, is caught whatever the learning rate. A mismatch raises
-    `WeightSyncError` naming the tensor.
+    exported tensor exactly. One that stacks and repacks them (vLLM) is checked by change, over every tensor of
+    its own whose bytes a push determines (`engine.weight_digests()`: the engine leaves out what it holds
+    elsewhere, such as a weight emptied after its layer was repacked): when no learner tensor changed since
+    the previous check, no engine tensor may have changed (a push of the same weights must give the same
+    bytes); and every engine tensor built from a learner tensor that changed must have changed too (a push
+    that delivered nothing, or not to that tensor), whatever the learning rate (before a push has told which
+    engine tensors a learner tensor writes, `engine.digest_sources()` is empty: then some engine tensor must
+    have changed). A mismatch raises `WeightSyncError` naming the tensors.
     """
     sources = engine.digest_sources()
-    held = engine.weight_digests(None if sources is None else set(sources))
+    held = engine.weight_digests()
     if sources is None:
         wrong = [n for n, d in learner.items() if held.get(n) != d]
         if wrong or not learner:
@@ -377,12 +386,71 @@ def check_engine(learner: dict[str, str], engine, previous: dict | None = None) 
             )
     elif previous is not None:
         changed = {n for n, d in learner.items() if previous["learner"].get(n) != d}
+        before = previous["engine"]
+        if not changed:
+            moved = [e for e, d in held.items() if e in before and before[e] != d]
+            if moved:
+                raise _sync_error(engine, "changed although the learner's weights did not", moved)
         stale = [
-            e for e, src in sources.items() if changed & set(src) and held.get(e) == previous["engine"].get(e)
+            e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]
         ]
+        if changed and not sources and held == before:  # no push mapped the sources yet: none moved at all
+            stale = sorted(held)
         if stale:
-            raise WeightSyncError(
-                f"after the weight push the {engine.name} engine's {stale[:3]} ({len(stale)} tensors) did not "
-                "change although the learner's weights they are built from did: the push did not reach the engine"
+            raise _sync_error(
+                engine, "did not change although the learner's weights they are built from did", stale
             )
     return {"learner": learner, "engine": held}
+
+
+# -- the log-prob probe: the engine's forward against the learner's on fixed tokens --------------------------
+
+PROBE_BOUND = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+"""The mean |engine - learner| log-prob on the probe's tokens above which a push (or the engine as loaded) is
+refused, by the lower precision of the two sides. fp32: the families rlkit tests agree to ~5e-7
+(tests/rollout/test_families.py, docs/supported-models.md), while an engine missing its MoE expert prepack
+after a push differed by 2e-2. bf16: on SmolLM2-135M the probe's random tokens (log-probs around -11) read
+0.045 between an fp32 forward and a bf16-autocast one and 0.064 with bf16 weights (max 0.27), so an engine and
+a learner both off by that much stay under 0.25; a drift as small as the MoE one is then left to the digests.
+fp16 (3 more mantissa bits than bf16, not measured): 0.05."""
+
+
+def probe_bound(*dtypes: torch.dtype) -> float:
+    """The probe's bound for log-probs computed in `dtypes` (the learner's and the engine's): the loosest."""
+    return max(PROBE_BOUND.get(d, PROBE_BOUND[torch.bfloat16]) for d in dtypes)
+
+
+def probe_tokens(vocab_size: int = 1000, *, rows: int = 2, length: int = 32, seed: int = 0) -> Tensor:
+    """[rows, length] token ids below `vocab_size` (every vocabulary has the first thousand), the same on every
+    call: the probe's fixed input, which both sides compute without talking to each other."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (rows, length), generator=g)
+
+
+def probe_gap(engine_logp: Tensor, learner_logp: Tensor) -> float:
+    """Mean |engine - learner| log-prob over the probe's tokens."""
+    return float((engine_logp.float() - learner_logp.float()).abs().mean())
+
+
+def check_probe(
+    gap: float, bound: float, *, when: str, engine: str, accepted: float | None = None, at_load: bool = False
+) -> None:
+    """Raise `WeightSyncError` when the probe's `gap` exceeds `bound` (or the gap the run `accepted`,
+    `rollout.accept_engine_gap`, when that is larger). `at_load`: the engine as loaded, before any push (a gap
+    there is the engine's forward; after a push it is the push)."""
+    limit = bound if accepted is None else max(bound, accepted)
+    if gap <= limit:
+        return
+    if at_load:
+        why = (
+            "The engine's forward differs from the learner's for this model on this platform: train with "
+            f"rollout.engine=hf, or accept the gap with rollout.accept_engine_gap={float(f'{gap * 1.5:.1g}')} (the run "
+            "then trains on log-probs that differ by that much)"
+        )
+    else:
+        why = "The push left the engine computing something else (stale or mangled tensors): train with rollout.engine=hf"
+    raise WeightSyncError(
+        f"the {engine} engine's log-probs differ from the learner's {when}: mean |dlogp| = {gap:.3g} on the "
+        f"probe's fixed tokens, above {limit:.3g} (the bound of this compute dtype"
+        f"{'' if accepted is None else ' or rollout.accept_engine_gap'}). {why}"
+    )

@@ -83,6 +83,7 @@ RANGES: dict[str, Range] = {
     "rollout.max_new_tokens": _ge(1),
     "rollout.mismatch_samples": _ge(0),
     "rollout.weight_sync_kl_threshold": _gt(0),
+    "rollout.accept_engine_gap": _gt(0),
     "rollout.eval_group_size": _ge(1),
     "rollout.eval_temperature": _ge(0),
     # A threshold below 1 would cap or mask the on-policy ratio 1 itself.

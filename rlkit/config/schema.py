@@ -150,13 +150,22 @@ class RolloutConfig:
     critic); 0 = all. A few samples suffice to prove the weight push and save a full forward pass."""
     verify_push: bool = True
     """After every weight push, compare the sha256 of the engine's tensors with the learner's (HF: tensor for
-    tensor; vLLM: every engine tensor built from a changed learner tensor must change, and only those the check
-    reads are hashed: on CPU the embedding and norms); a mismatch is a WeightSyncError naming the tensor. In
-    async mode each rollout worker checks its engine against the digests of what the learner sent. Measured
-    cost for a 135M model on 2 CPU cores: about 0.7 s (HF), 0.20 s (vLLM fp32), 0.11 s (vLLM bf16) per push."""
+    tensor; vLLM: none may change when the learner's did not, every one built from a changed learner tensor
+    must change; on CPU the linear weights vLLM repacks into its kernels' format are left out) and probe the
+    engine's log-probs on fixed tokens against the learner's (also at start-up); a mismatch is a
+    WeightSyncError naming the tensors. In async mode each rollout worker checks its engine against the
+    digests and probe of what the learner sent. Measured cost for a 135M model on 2 CPU cores (before the
+    probe and the whole-engine digests): about 0.7 s (HF), 0.20 s (vLLM fp32), 0.11 s (vLLM bf16) per push."""
     weight_sync_kl_threshold: Optional[float] = None
     """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error; null = 0.05
     when the learner and the engine compute in fp32, 0.15 with bf16 compute or bf16 weights (measured: docs/benchmarks.md)."""
+    accept_engine_gap: Optional[float] = None
+    """The mean |dlogp| between the engine's and the learner's log-probs on the weight-sync probe's fixed tokens
+    (rlkit.weights.probe_gap, run at start-up on the engine as loaded and after every push) that this run
+    accepts above the bound of its compute dtype (fp32: 1e-4). null = none: an engine whose forward differs
+    from the learner's for this model (e.g. vLLM's CPU MLA attention of DeepSeek-V2/V3: 2.5e-3 and 2.2e-3 on
+    the tiny test models) is refused at start-up with the measured gap; set this to at least that gap to train
+    with it anyway (docs/supported-models.md)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the engine constructor."""
     eval_group_size: int = 1

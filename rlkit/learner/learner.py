@@ -133,6 +133,11 @@ class Learner:
             m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu"
         )
         policy.config.use_cache = False
+        # Mixture-of-experts: no router auxiliary (load-balancing) loss. rlkit's loss is built from the
+        # log-probs alone and transformers adds that term only to its own `loss` (with labels, which rlkit never
+        # passes); router logits are not even returned, so none are computed for nothing (docs: Supported models).
+        if getattr(policy.config, "output_router_logits", False):
+            policy.config.output_router_logits = False
         if m.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
@@ -471,8 +476,21 @@ class Learner:
         return merged_weights(named, scale=lora.alpha / lora.rank)
 
     def export(self) -> Export:
-        """The policy's weights as the rollout side receives them (rlkit.weights)."""
-        return Export(self.manifest, self.named_weights)
+        """The policy's weights as the rollout side receives them (rlkit.weights), with the log-prob probe
+        the push is checked by (issue 43)."""
+        return Export(
+            self.manifest, self.named_weights, probe=self.probe_logprobs, probe_dtype=self.compute_dtype
+        )
+
+    @torch.no_grad()
+    def probe_logprobs(self, tokens: Tensor) -> Tensor:
+        """rlkit.weights.Export.probe: the policy's log-probs of `tokens[:, 1:]` given their prefixes, at
+        temperature 1 and without truncation, [N, L-1] float32 on the CPU; every rank must call it (FSDP2
+        gathers inside the forward)."""
+        ids = tokens.to(self.device)
+        with _eval_mode(self.model):
+            logits = self.model(input_ids=ids, use_cache=False).logits.float()
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
 
     def nonfinite_parameters(self) -> list[str]:
         """Names of the parameters (policy and critic) holding NaN or inf, the same list on every rank (one

@@ -28,7 +28,15 @@ from rlkit.rollout.evaluation import (
 )
 from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
-from rlkit.weights import Export, push_weights, verify_push
+from rlkit.weights import (
+    Export,
+    check_probe,
+    probe_bound,
+    probe_gap,
+    probe_tokens,
+    push_weights,
+    verify_push,
+)
 
 
 class LocalRollouts:
@@ -99,6 +107,12 @@ class LocalRollouts:
             self.push(export, step)
         elif self.cfg.rollout.verify_push:
             self.digests = verify_push(export, self.engine)
+            # The engine as loaded computes what the learner computes;
+            # an engine in its own layout (vLLM) then gets the same weights pushed once: no tensor of it may
+            # change and the probe must still agree (a push that mangles a layer stops the run here).
+            self.probe(export, when="as loaded, before training", at_load=True)
+            if self.engine.digest_sources() is not None:
+                self.push(export, 0)
 
     def produce(self, step: int, timers) -> ScoredBatch:
         return self.producer.produce(step, timers)
@@ -111,8 +125,22 @@ class LocalRollouts:
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)
+            gap = self.probe(export, when=f"after the push of version {version}")
             stats = {**stats, "verify_seconds": time.perf_counter() - start}
+            if gap is not None:
+                stats["probe_gap"] = gap
         return stats
+
+    def probe(self, export: Export, *, when: str, at_load: bool = False) -> float | None:
+        """The log-prob probe of this engine against the learner's (`export.probe`, a collective on every learner
+        rank): `check_engine_probe`."""
+        if export.probe is None:
+            return None
+        tokens = probe_tokens()
+        return check_engine_probe(
+            self.engine, export.probe(tokens), export.probe_dtype, self.cfg.rollout.accept_engine_gap,
+            when=when, at_load=at_load,
+        )  # fmt: skip
 
     def evaluate(self, version: int) -> dict[str, float]:
         """The `eval/*` metrics of the engine's weights `version` on the held-out split (never masked):
@@ -162,3 +190,19 @@ class LocalRollouts:
             logging.getLogger(__name__).warning(
                 "closing the %s engine failed: %s: %s", self.engine.name, type(e).__name__, e
             )
+
+
+def check_engine_probe(
+    engine, learner_logprobs, learner_dtype, accepted: float | None, *, when: str, at_load: bool = False
+) -> float | None:
+    """The log-prob probe, where the engine lives (this process, or an async rollout worker): the engine's
+    log-probs of `rlkit.weights.probe_tokens()` against the learner's, within the bound of the two dtypes or the
+    gap the run accepted (`rollout.accept_engine_gap`); `WeightSyncError` otherwise. Returns the gap, or None for
+    an engine without prompt log-probs (the HF engine, checked tensor for tensor instead). `at_load`: the
+    weights the engine loaded itself (a gap is then its forward's, not a push's)."""
+    if not hasattr(engine, "prompt_logprobs"):
+        return None
+    gap = probe_gap(engine.prompt_logprobs(probe_tokens()), learner_logprobs)
+    bound = probe_bound(learner_dtype, engine.weight_dtype)
+    check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted, at_load=at_load)
+    return gap

@@ -21,7 +21,9 @@ CAP_MB = 512
 
 def test_shared_memory_over_the_cap_fails_its_episode_with_the_reason():
     status, why = _step("SharedHog", {"mb": 768}, Limits(memory_limit_mb=CAP_MB), timeout_s=20)
-    assert status == "error" and "its shared memory" in why and f"passed env.memory_limit_mb={CAP_MB}" in why, why
+    assert (
+        status == "error" and "its shared memory" in why and f"passed env.memory_limit_mb={CAP_MB}" in why
+    ), why
     mib = int(why.split("(")[1].split()[0])
     assert CAP_MB < mib <= 768
 

@@ -219,12 +219,15 @@ def test_verify_push_catches_a_push_that_never_arrived(case):
     model = load_causal_lm(ckpt)
     export = Export(module_manifest(model), lambda: iter_full_parameters(model))
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    before = verify_push(export, engine)  # the engine loaded the same checkpoint: records the digests
+    # The same weights once: vLLM's loaders record which of its tensors each pushed tensor writes.
+    engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
+    before = verify_push(export, engine)
     sources = engine.digest_sources()
     assert sources, "vLLM's parameters map to no learner tensor"
-    # Only what the check compares is hashed, on both sides.
-    assert before["engine"].keys() == sources.keys()
-    assert before["learner"].keys() == {n for src in sources.values() for n in src}
+    # Every engine tensor a push determines is hashed (a linear layer that vLLM's CPU backend repacked keeps its
+    # weight elsewhere: emptied, it is left out; the probe covers it), and of the learner's only their sources.
+    assert sources.keys() <= before["engine"].keys()
+    assert before["learner"].keys() == {n for src in sources.values() for n in src} <= set(export.manifest)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
@@ -380,7 +383,7 @@ def _push_loggers_live():
 
 
 def test_a_push_logs_no_warning_and_one_debug_line(case, capfd, caplog):
-    """vLLM's per-push lines (INFO, and the rotary layer's WARNING "Failed to load weights") stay off the
+    """vLLM's per-push lines (the rotary layer's WARNING "Failed to load weights") stay off the
     user's console; rlkit logs one debug line holding them; the push's parts are timed."""
     import logging
 
@@ -392,7 +395,7 @@ def test_a_push_logs_no_warning_and_one_debug_line(case, capfd, caplog):
     out, err = capfd.readouterr()
     assert "WARNING" not in out + err and "Reloading" not in out + err, out + err
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM push")]
-    assert "Failed to load weights" in line and "Reloading" in line
+    assert "Failed to load weights" in line  # the rotary layer's, held back
     parts = stats["export_seconds"] + stats["cast_seconds"] + stats["load_seconds"]
     assert stats["load_seconds"] > 0 and parts == pytest.approx(stats["seconds"])
 

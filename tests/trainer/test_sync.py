@@ -21,7 +21,13 @@ class Recorder:
 
     def push(self, export, version, *, evaluate=False):
         self.calls.append(("push", version, evaluate))
-        return {"bytes": 2e9, "verify_seconds": 0.5, "export_seconds": 0.25, "load_seconds": 1.0}
+        return {
+            "bytes": 2e9,
+            "verify_seconds": 0.5,
+            "export_seconds": 0.25,
+            "load_seconds": 1.0,
+            "probe_gap": 3e-7,
+        }
 
 
 def _sync(steps=10, eval_every=4, threshold=None, dtype="float32"):
@@ -52,7 +58,7 @@ def test_the_push_metrics_come_from_its_statistics():
     metrics = sync.push(EXPORT)
     assert metrics == {
         "perf/weight_push_gb": 2.0, "timing/verify_push_s": 0.5, "timing/push_export_s": 0.25,
-        "timing/push_load_s": 1.0,
+        "timing/push_load_s": 1.0, "weight_sync/probe_gap": 3e-7,
     }  # fmt: skip
 
 

@@ -20,7 +20,6 @@ CUDA graphs (compiled mode) and NCCL.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -33,7 +32,6 @@ import torch
 from torch import Tensor
 
 from rlkit.batch import RolloutBatch
-from rlkit.collectives import free_port
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import (
     INFLIGHT_MODES,
@@ -41,15 +39,24 @@ from rlkit.rollout.engines.base import (
     check_generate_args,
     record_throughput,
 )
+from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
 from rlkit.rollout.engines.vllm_logs import quiet_push_logs
 from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
+from rlkit.rollout.engines.vllm_platform import (
+    compiles,
+    contained_side_effects,
+    hf_config,
+    launcher_env,
+    vllm_can_run,
+    vllm_default,
+)
+from rlkit.rollout.engines.vllm_push import PushBook
+from rlkit.rollout.engines.vllm_reload import worker_close_failed_reload, worker_reload
 from rlkit.weights import (
     PushGuard,
     check_manifest,
     clean_param_name,
-    digest,
-    engine_sources,
     module_manifest,
     tied_aliases,
 )
@@ -94,135 +101,6 @@ def vllm_weight_name(hf_name: str) -> str:
     internally, so only wrapper components are stripped (the one cleaner of rlkit.weights).
     """
     return clean_param_name(hf_name)
-
-
-# Linear layers vLLM's CPU backend repacks after loading (their parameters' digests do not follow a push).
-_REPACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-
-_LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _launcher_env() -> tuple[int, int]:
-    """Set the env:// variables the external launcher reads; returns (rank, world_size)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-    return rank, world
-
-
-# The environment variables that must not outlive the engine's construction: the launcher's, which
-# `_launcher_env` sets for vLLM's external launcher (the training process keeps its own), and LD_PRELOAD, which
-# vLLM's CPU platform extends with libgomp and tcmalloc (vllm/platforms/cpu.py) and every child process (reward
-# and environment workers) would inherit. Everything else vLLM sets it may read again after construction, so it
-# stays: its own VLLM_* settings (e.g. VLLM_USE_BREAKABLE_CUDAGRAPH, vllm/config/vllm.py), TORCHINDUCTOR_CACHE_DIR
-# for later compilations (vllm/compilation/), NCCL_GRAPH_REGISTER for the communicators of its CuMem graph pool.
-RESTORED_ENV = (*_LAUNCHER_KEYS, "LD_PRELOAD")
-
-
-@contextlib.contextmanager
-def contained_side_effects():
-    """Undo what building a `vllm.LLM` does to the training process that it must not keep.
-
-    vLLM 0.32 sets environment variables for its own start-up and later use (`RESTORED_ENV` says which are
-    put back as they were; the others stay, vLLM reads them again), replaces `torch.set_num_threads` with a
-    no-op on CPU, and reseeds Python's, numpy's and torch's generators (CPU, and CUDA when it is in use):
-    `torch.set_num_threads` and every RNG state are restored exactly.
-    """
-    import random
-
-    import numpy as np
-
-    env = {k: os.environ.get(k) for k in RESTORED_ENV}
-    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-    rng = (torch.random.get_rng_state(), np.random.get_state(), random.getstate())
-    # This process's CUDA generator, when it is in use (the learner's device); reading it would otherwise
-    # initialise CUDA here, before vLLM chooses how.
-    cuda_rng = (
-        torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
-    try:
-        yield
-    finally:
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-        torch.random.set_rng_state(rng[0])
-        np.random.set_state(rng[1])
-        random.setstate(rng[2])
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng)
-
-
-def _vllm_default(name: str):
-    """The default of vLLM's engine argument `name` (a field of vllm.engine.arg_utils.EngineArgs)."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
-
-
-def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
-    """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
-    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512).
-
-    Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
-    try:
-        from vllm.platforms import current_platform
-    except Exception as e:  # a broken install raises more than ImportError (e.g. torchvision ops)
-        return False, f"vllm does not import ({type(e).__name__}: {e})"
-
-    kind = current_platform.device_type
-    if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
-        return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
-    if current_platform.is_cpu() and model_path is not None:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        head = _head_dim(model_path)
-        if head is not None and head not in CPUAttentionBackend.get_supported_head_sizes():
-            return False, f"vLLM's CPU attention does not support head_dim={head}"
-    return True, f"vLLM imports and runs on its {kind} platform"
-
-
-def _hf_config(model_path: str):
-    from transformers import AutoConfig
-
-    directory, gguf_file = resolve_model(model_path)
-    return AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
-
-
-def _head_dim(model_path: str) -> int | None:
-    config = _hf_config(model_path)
-    head = getattr(config, "head_dim", None)
-    if head is None and getattr(config, "num_attention_heads", None):
-        head = config.hidden_size // config.num_attention_heads
-    return head
-
-
-def _close_failed_reload(worker) -> None:
-    """Runs in the worker: finish the layer-by-layer reload state a failed `reload_weights` left open."""
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
-
-
-def _worker_param_names(worker) -> list[str]:
-    """Runs in the worker: the names of its model's parameters."""
-    return [name for name, _ in worker.model_runner.get_model().named_parameters()]
-
-
-def _worker_digests(worker, names=None) -> dict[str, str]:
-    """Runs in the worker: sha256 of its model's parameters (of `names` only, unless None)."""
-    model = worker.model_runner.get_model()
-    return {n: digest(p) for n, p in model.named_parameters() if names is None or n in names}
 
 
 class VLLMEngine:
@@ -282,7 +160,7 @@ class VLLMEngine:
             gpu_memory_utilization, enable_sleep_mode = memory_plan(
                 colocated, gpu_memory_utilization, enable_sleep_mode,
                 sleep_available=current_platform.is_sleep_mode_available(),
-                vllm_default=_vllm_default("gpu_memory_utilization"),
+                vllm_default=vllm_default("gpu_memory_utilization"),
             )  # fmt: skip
             if not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
@@ -300,7 +178,7 @@ class VLLMEngine:
             if enforce_eager is None:
                 enforce_eager = on_cpu
 
-            config = _hf_config(model_path)
+            config = hf_config(model_path)
             if on_cpu:
                 # Whole prefills only: see the class docstring (seeded requests, CPU generators).
                 context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
@@ -313,35 +191,36 @@ class VLLMEngine:
                 meta = AutoModelForCausalLM.from_config(config)
             self.manifest = module_manifest(meta)
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
-            del meta
             self._push_guard = PushGuard(self.name)
-            self._sources = None
             self.on_cpu = on_cpu
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
             directory, gguf_file = resolve_model(model_path)
             self.tokenizer = load_tokenizer(model_path)
             self.pad_id = self.tokenizer.pad_token_id
-            self.rank, _ = _launcher_env()
+            self.rank, _ = launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
             t0 = time.perf_counter()
-            self.llm = LLM(
-                model=os.path.join(directory, gguf_file) if gguf_file else directory,
-                tokenizer=directory,
-                tensor_parallel_size=1,
-                distributed_executor_backend="external_launcher",
-                dtype=str(dtype).removeprefix("torch."),
-                seed=seed + self.rank,
-                gpu_memory_utilization=gpu_memory_utilization,
-                max_model_len=max_model_len,
-                enable_sleep_mode=enable_sleep_mode,
-                enforce_eager=enforce_eager,
-                # Later turns of an episode and the G samples of a prompt reuse their prompt's KV blocks.
-                enable_prefix_caching=enable_prefix_caching,
-                logprobs_mode="processed_logprobs",
-                max_num_batched_tokens=max_num_batched_tokens,
-                **llm_kwargs,
-            )
+            restored = TransformersClassesRestored(type(meta))
+            with restored:
+                self.llm = LLM(
+                    model=os.path.join(directory, gguf_file) if gguf_file else directory,
+                    tokenizer=directory,
+                    tensor_parallel_size=1,
+                    distributed_executor_backend="external_launcher",
+                    dtype=str(dtype).removeprefix("torch."),
+                    seed=seed + self.rank,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    max_model_len=max_model_len,
+                    enable_sleep_mode=enable_sleep_mode,
+                    enforce_eager=enforce_eager,
+                    # Later turns of an episode and the G samples of a prompt reuse their prompt's KV blocks.
+                    enable_prefix_caching=enable_prefix_caching,
+                    logprobs_mode="processed_logprobs",
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    **llm_kwargs,
+                )
+            restored.check_compiled(compiles(self.llm))
             # Which model runner produced the numbers: vLLM 0.32 runs Model Runner V2 (its own sampler and
             # log-prob kernel) by default where Triton is (CUDA), V1 elsewhere (the CPU build CI runs).
             self.model_runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
@@ -361,6 +240,8 @@ class VLLMEngine:
         self._weights_lost = False  # level-2 sleep dropped the weights; a push must come first
         self._calls = 0
         self._seed = seed
+        # The weightless model converts every push into checkpoint names; what the pushes recorded.
+        self._book = PushBook(meta, self.manifest, self._aliases, current_platform.device_type)
 
     def set_version(self, version: int, *, in_flight: bool = False) -> None:
         """The weights held now are policy version `version`: vLLM labels every later step's tokens with it
@@ -451,12 +332,14 @@ class VLLMEngine:
 
         The contract of `HFEngine.load_weights` (rlkit/weights.py): `manifest` is checked against
         the engine's before anything is copied; the stream must then bring exactly the manifest.
-        The tensors go through the worker's `reload_weights` (vLLM 0.32), which reloads each layer
-        and redoes the kernel-format processing the CPU backend applies after loading (repacked
-        linear weights), so the same call is right on CPU and CUDA; `model.load_weights` alone
-        would write into the repacked layers' empty placeholders. A tied output head is pushed
-        with its embedding's tensor: on CPU the head is a separately processed layer. Resets the
-        prefix cache afterwards (cached KV blocks were computed with the old weights).
+        The tensors arrive in the learner's (transformers' in-memory) names and are converted into the
+        checkpoint's names and layouts (`to_checkpoint`: transformers' own reverse of its load-time
+        conversion, layer by layer), which vLLM's loaders expect; a tied output head is also pushed as its
+        alias where vLLM's model has that module (on CPU the head is a separately processed layer).
+        They go through `vllm_reload.worker_reload` (vLLM 0.32's layerwise reload, which redoes each
+        layer's kernel-format processing, plus the CPU expert prepack vLLM skips on an update); a layer that
+        received none or part of its weights is a `WeightSyncError` naming it. Resets the prefix cache
+        afterwards (cached KV blocks were computed with the old weights).
         """
 
         if manifest is not None:
@@ -466,23 +349,21 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
 
-        def with_vllm_names(stream):
-            for name, tensor in stream:
-                yield vllm_weight_name(name), tensor
-                for alias in self._aliases.get(name, ()):
-                    yield alias, tensor
+        def in_checkpoint_format(stream):
+            return self._book.checkpoint_stream(self.llm, ((vllm_weight_name(n), t) for n, t in stream))
 
         def copy(stream):
             try:
-                self.llm.collective_rpc(
-                    "reload_weights",
-                    kwargs={"weights_iterator": with_vllm_names(stream), "is_checkpoint_format": True},
+                reports = self.llm.collective_rpc(
+                    worker_reload, kwargs={"weights": in_checkpoint_format(stream)}
                 )
             except BaseException:
                 # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
                 # (the weights stay partly old, partly new: the guard refuses to generate).
-                self.llm.collective_rpc(_close_failed_reload)
+                self.llm.collective_rpc(worker_close_failed_reload)
                 raise
+            for report in reports:
+                self._book.record(report)
 
         start = time.perf_counter()
         with quiet_push_logs() as quieted:  # vLLM's per-push lines: one rlkit debug line below
@@ -493,6 +374,26 @@ class VLLMEngine:
             "vLLM push: %d tensors in %.3f s (%s)", count, time.perf_counter() - start, "; ".join(quieted)
         )
         return count
+
+    def prompt_logprobs(self, tokens: Tensor) -> Tensor:
+        """[N, L-1] float32: the log-prob of `tokens[:, 1:]` given their prefixes under the weights held now
+        (temperature 1, no truncation: vLLM's prompt log-probs skip the sampling processors), for the push's
+        log-prob probe (rlkit.weights.probe_gap)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._push_guard.check()
+        self.wake()
+        rows = tokens.tolist()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        return torch.tensor(
+            [
+                [out.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))]
+                for out, r in zip(outputs, rows)
+            ],
+            dtype=torch.float32,
+        )
 
     def sleep(self) -> None:
         """Free the KV cache (and offload or drop the weights, per `sleep_level`) for the learner."""
@@ -512,30 +413,16 @@ class VLLMEngine:
         return self.dtype
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
-        """sha256 of each parameter as vLLM's worker holds it (stacked, repacked on CPU), by name: of `names`
-        only (the ones the push check reads: `digest_sources`), or of all."""
-        digests = {}
-        for worker in self.llm.collective_rpc(_worker_digests, kwargs={"names": names}):
-            digests.update(worker)
-        return digests
+        """sha256 of every tensor of vLLM's model whose bytes a push determines, as held (stacked, repacked on
+        CPU), of `names` only unless None: all its parameters and persistent buffers but those a layer's
+        processing emptied (vllm_push.PushBook)."""
+        return self._book.digests(self.llm, names)
 
     def digest_sources(self) -> dict[str, list[str]]:
-        """{vLLM parameter: the pushed tensors it is built from}: a push is checked by change (rlkit.weights).
-
-        On CPU vLLM repacks every linear layer's weight into its kernel format after loading and the
-        parameter its digest reads stays as loaded the first time (measured: after a push of changed weights
-        the embedding's and every norm's digests change, the projections' do not), so on CPU the check covers
-        the embedding and the norms; the log-prob check (`rollout.weight_sync_kl_threshold`) covers the rest."""
-        if self._sources is None:
-            tied = {alias: name for name, aliases in self._aliases.items() for alias in aliases}
-            held = set().union(*self.llm.collective_rpc(_worker_param_names))
-            sources = engine_sources(held, self.manifest, tied)
-            if self.on_cpu:
-                sources = {
-                    e: s for e, s in sources.items() if not any(f".{k}." in f".{e}" for k in _REPACKED)
-                }
-            self._sources = sources
-        return self._sources
+        """{vLLM tensor: the pushed (learner) tensors it is built from}, for the tensors `weight_digests` hashes,
+        as the pushes so far recorded them at vLLM's own weight loaders (empty before the first push): a push
+        is checked by change (rlkit.weights.check_engine)."""
+        return self._book.sources(self.llm)
 
     def close(self) -> None:
         """Drop the engine and vLLM's parallel groups (and the process group vLLM itself created),

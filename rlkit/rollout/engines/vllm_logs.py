@@ -1,9 +1,9 @@
 """Quiet weight pushes: vLLM's per-push log lines, folded into one rlkit line at debug level.
 
-Each `reload_weights` of vLLM 0.32 logs "Reloading weights inplace...", "Reloading and processing weights
-took X seconds" and "Successfully reset prefix cache" (INFO), and a WARNING "RotaryEmbedding: Failed to load
-weights" for the rotary layer, which holds no weights a checkpoint could bring (vLLM keeps its cached cos/sin
-table): a user would see it every step and cannot act on it. Inside `quiet_push_logs()` those records are
+Each push (vLLM 0.32's layerwise reload, driven by vllm_reload.worker_reload) logs "Successfully reset prefix
+cache" (INFO) and a WARNING "RotaryEmbedding: Failed to load weights" for the rotary layer, which holds no
+weights a checkpoint could bring (vLLM keeps its cached cos/sin table): a user would see it every step and
+cannot act on it. (A real layer's "Failed to load weights" is also a WeightSyncError naming it.) Inside `quiet_push_logs()` those records are
 kept from vLLM's handlers and returned, so the engine logs them as one rlkit debug line; every other warning
 and every error of those loggers (e.g. "Following weights were not loaded") still reaches the user.
 No vllm import: these are logger names.

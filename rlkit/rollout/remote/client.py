@@ -78,7 +78,7 @@ from rlkit.rollout.remote.wire import bridge
 from rlkit.rollout.remote.worker import worker_main
 from rlkit.rollout.scored import merge_scored, split_scored
 from rlkit.rundir import PENDING_FILE
-from rlkit.weights import Export, send_weights
+from rlkit.weights import Export, probe_tokens, send_weights
 
 log = logging.getLogger(__name__)
 
@@ -309,9 +309,14 @@ class AsyncRollouts:
             if self.is_main:  # a dead worker breaks the broadcast: name it rather than the transport
                 self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
             raise
+        # The learner's side of the log-prob probe (every rank: FSDP2 gathers), checked by each worker
+        probe = None
+        if self.cfg.rollout.verify_push and export.probe is not None:
+            probe = export.probe(probe_tokens())
         if digests is not None:  # each worker checks its engine against what was sent
+            dtype = str(export.probe_dtype).removeprefix("torch.")
             for q in self.ctrl:
-                q.put(dumps(Digests(version, digests)))
+                q.put(dumps(Digests(version, digests, probe, dtype)))
         return stats
 
     def evaluate(self, version: int) -> dict[str, float]:

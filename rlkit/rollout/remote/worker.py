@@ -20,7 +20,7 @@ from rlkit.config.rules import parse
 from rlkit.models import load_tokenizer
 from rlkit.rewards.scorer import die_with_parent
 from rlkit.rollout.engines import torch_dtype
-from rlkit.rollout.local import LocalRollouts
+from rlkit.rollout.local import LocalRollouts, check_engine_probe
 from rlkit.rollout.remote.messages import (
     TO_WORKER,
     BatchShare,
@@ -177,14 +177,26 @@ class _Server:
     def take_push(self, msg: Push, *, in_flight: bool) -> None:
         """Receive version `msg.version` into the engine, check it (rollout.verify_push) and grant its batches."""
         engine = self.rollouts.engine
+        verify = self.rollouts.cfg.rollout.verify_push
+        # A run's first push at step 0 brings the weights the engine loaded: none of its tensors
+        # may change (check_engine, against the digests taken here).
+        loaded = engine.weight_digests() if verify and self.checked is None and msg.version == 0 else None
         receive_weights(self.pg, engine, msg.manifest, self.dtype, self.device)
-        if self.rollouts.cfg.rollout.verify_push:  # the learner's digests of this push come next
+        if verify:  # the learner's digests of this push come next
             sent = _control(self.ctrl, self.parent)
             if not isinstance(sent, Digests) or sent.version != msg.version:
                 raise RuntimeError(
                     f"rollout worker {self.r}: expected the digests of push {msg.version}, got {sent!r}"
                 )
-            self.checked = check_engine(sent.digests, engine, self.checked)
+            previous = self.checked if loaded is None else {"learner": sent.digests, "engine": loaded}
+            self.checked = check_engine(sent.digests, engine, previous)
+            if sent.probe is not None and not in_flight:  # (in flight: inside a generation, no probe)
+                first = self.version < 0  # the first push brings the weights the engine loaded
+                when = "after the first push" if first else f"after the push of version {sent.version}"
+                check_engine_probe(
+                    engine, sent.probe, getattr(torch, sent.probe_dtype), self.rollouts.cfg.rollout.accept_engine_gap,
+                    when=when, at_load=first,
+                )  # fmt: skip
         self.version = msg.version
         if in_flight:
             engine.set_version(msg.version, in_flight=True)

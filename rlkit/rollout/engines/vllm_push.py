@@ -1,0 +1,86 @@
+"""The engine side of a push into vLLM (issue 43): what the stream becomes on its way in, what the reload
+reported, and which of vLLM's tensors the push check reads.
+
+- Names and layouts: the learner streams transformers' in-memory names; vLLM's loaders expect the
+  checkpoint's (`checkpoint_format.to_checkpoint`). A tied output head is also pushed under its alias where
+  vLLM's model has that module (on CPU the head is a separately processed layer; Gemma 2 has none).
+- The reload (`vllm_reload.worker_reload`) reports the layers it left stale: a `WeightSyncError` naming them;
+  and which engine tensors each pushed tensor wrote: with `checkpoint_origins`, the push check's sources.
+- Digests: every parameter and persistent buffer of vLLM's model whose bytes a push determines, i.e. all but
+  the tensors a layer's processing emptied (vLLM's CPU backend keeps a repacked linear's weight in its
+  kernel's format elsewhere: the log-prob probe covers those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from torch import Tensor
+
+from rlkit.rollout.engines.checkpoint_format import checkpoint_origins, to_checkpoint
+from rlkit.rollout.engines.vllm_reload import worker_digests, worker_module_names, worker_tensors
+from rlkit.weights import WeightSyncError, engine_sources
+
+
+class PushBook:
+    """Per engine: the weightless transformers model, the tied aliases, and what the pushes recorded."""
+
+    def __init__(self, meta, manifest: dict, aliases: dict[str, list[str]], platform: str):
+        self.meta, self.aliases, self.platform = meta, aliases, platform
+        self.origins = checkpoint_origins(meta, manifest)
+        for name, names in aliases.items():
+            for alias in names:
+                self.origins[alias] = [name]
+        self.loads: dict[str, list[str]] = {}
+        self._modules: set[str] | None = None
+        self._held: list[str] | None = None
+
+    def checkpoint_stream(self, llm, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """`named` (in-memory names) in checkpoint names and layouts, with the aliases vLLM's model has."""
+        if self._modules is None:
+            self._modules = set(llm.collective_rpc(worker_module_names)[0])
+        aliases = {
+            n: [a for a in al if a.rpartition(".")[0] in self._modules] for n, al in self.aliases.items()
+        }
+        for name, tensor in to_checkpoint(named, self.meta):
+            yield name, tensor
+            for alias in aliases.get(name, ()):
+                yield alias, tensor
+
+    def record(self, report: dict) -> None:
+        """Keep what the reload's loaders wrote; raise naming the layers it left stale."""
+        for ck, targets in report["loads"].items():
+            self.loads[ck] = sorted(set(self.loads.get(ck, ())) | set(targets))
+        stale = report["missed"] + report["partial"]
+        if stale:
+            import vllm
+
+            raise WeightSyncError(
+                f"vLLM's weight reload left {stale[:4]}{' ...' if len(stale) > 4 else ''} ({len(stale)} layers) "
+                f"stale: {len(report['missed'])} received none of their weights (vLLM logs 'Failed to load "
+                f"weights' and keeps the old ones), {len(report['partial'])} only part of them. vLLM "
+                f"{vllm.__version__}'s in-place reload does not update this model's layers on the {self.platform} "
+                "platform: train it with rollout.engine=hf"
+            )
+
+    def held(self, llm) -> list[str]:
+        """vLLM's tensors whose bytes a push determines: every parameter and persistent buffer not emptied."""
+        if self._held is None:
+            held = set()
+            for worker in llm.collective_rpc(worker_tensors):
+                held |= {n for n, numel in worker.items() if numel > 0}
+            self._held = sorted(held)
+        return self._held
+
+    def digests(self, llm, names=None) -> dict[str, str]:
+        """sha256 of every tensor of vLLM's model a push determines (of `names` only, unless None)."""
+        wanted = [n for n in self.held(llm) if names is None or n in names]
+        out = {}
+        for worker in llm.collective_rpc(worker_digests, kwargs={"names": wanted}):
+            out.update(worker)
+        return out
+
+    def sources(self, llm) -> dict[str, list[str]]:
+        """{vLLM tensor hashed: the learner tensors it is built from}, as the pushes so far recorded them."""
+        held = set(self.held(llm))
+        return {e: src for e, src in engine_sources(self.loads, self.origins).items() if e in held}

@@ -1,0 +1,71 @@
+"""Write docs/supported-models.md from docs/supported-models.json, the outcomes of the family matrix
+(tests/rollout/test_families.py; `RLKIT_WRITE_SUPPORTED=1` makes it rewrite the JSON).
+
+    python scripts/supported_models.py        # rewrite the page
+tests/misc/test_supported_models.py holds the page to the JSON, and the matrix holds the JSON to what runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "docs" / "supported-models.json"
+PAGE = REPO / "docs" / "supported-models.md"
+sys.path.insert(0, str(REPO / "tests"))
+
+INTRO = """# Supported models
+
+Which model families rlkit trains, with which rollout engine. Every row is a tiny random checkpoint of the
+family built from transformers' own config class (hidden 128, 2 layers, head_dim 32, the SmolLM2 tokenizer,
+the family's features on: tied and untied heads, q/k norms, soft-capping, sliding windows, rope scaling,
+Granite's multipliers; mixture-of-experts with 4 experts, top-2: `tests/model_families.py`), pushed into each
+engine by the CI matrix (`tests/rollout/test_families.py`), which writes the table's data
+(`docs/supported-models.json`; this page: `python scripts/supported_models.py`).
+
+What "trains" means on vLLM: the engine as loaded computes the learner's log-probs (the probe's mean |dlogp| on
+fixed tokens, fp32 bound 1e-4); the same weights pushed again change no engine tensor; changed weights pushed
+change every engine tensor built from them and the probe still agrees. "refused" means rlkit stops at start-up
+(the step-0 probe, or the push of the same weights that `LocalRollouts.start` makes) with an error naming the
+cause and the alternative, never trains with a drift. The HF engine is checked tensor for tensor after a push.
+
+The vLLM async column is the colocated one: in `trainer.mode=async` each rollout worker runs the same engine,
+the same push and the same checks (digests and probe) in its own process. Whole 2-step training runs
+(`tests/trainer/test_families_train.py`): Qwen3-MoE on vLLM colocated and async, with `|mismatch/kl|` below
+1e-5 after every push, and DeepSeek-V2 refused at start-up with its measured gap.
+
+Mixture-of-experts models train without the router's auxiliary (load-balancing) loss: rlkit's loss is built
+from the log-probs alone, and the learner turns `output_router_logits` off, so no router logits are computed.
+The experts are sharded by FSDP2 like every parameter (`tests/learner/test_fsdp2_moe.py`).
+"""
+
+STATUS = {"trains": "trains", "refused": "refused at start-up"}
+
+
+def render(data: dict) -> str:
+    from model_families import FAMILIES
+
+    v = data["versions"]
+    lines = [
+        INTRO,
+        f"Matrix of {data['date']}: vLLM {v['vllm']} (CPU build), transformers {v['transformers']}, "
+        f"torch {v['torch']}.\n",
+        "| family | transformers config | HF engine | vLLM colocated | vLLM async | mean abs dlogp (load / after push) "
+        "| refused because |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, (cls, _) in FAMILIES.items():
+        row = data["families"][name]
+        gaps = f"{row['load_gap']:.1e}" + (f" / {row['push_gap']:.1e}" if "push_gap" in row else "")
+        vllm = STATUS[row["vllm"]]
+        why = row.get("reason", "").replace("|", "/") + (
+            "; else rollout.engine=hf" if row["vllm"] != "trains" else ""
+        )
+        lines.append(f"| {name} | `{cls}` | {STATUS[row['hf']]} | {vllm} | {vllm} | {gaps} | {why.strip()} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    PAGE.write_text(render(json.loads(DATA.read_text())))
+    print(PAGE)
