@@ -361,6 +361,7 @@ OUT_OF_RANGE = {
     "data.eval_size": -1, "data.max_prompt_tokens": 0, "data.num_train": 0, "data.num_eval": 0,
     "rollout.group_size": 0, "rollout.temperature": -0.5, "rollout.top_p": 1.5, "rollout.top_k": -1,
     "rollout.max_new_tokens": 0, "rollout.mismatch_samples": -1, "rollout.weight_sync_kl_threshold": 0.0,
+    "rollout.accept_engine_gap": 0.0,
     "rollout.eval_group_size": 0, "rollout.eval_temperature": -1.0, "algo.rollout_is.upper": 0.5,
     "algo.rollout_is.lower": -0.1, "algo.rollout_is.veto_lower": 1.0, "algo.rollout_is.veto_upper": 1.0,
     "algo.clip_low": 1.5, "algo.clip_high": -0.1, "algo.dual_clip": 0.5, "algo.norm_len": 0,

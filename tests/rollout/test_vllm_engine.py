@@ -297,7 +297,7 @@ def test_building_the_engine_leaves_the_training_process_alone(case, tmp_path, m
     assert engine.llm is not None
     # RANK, WORLD_SIZE, MASTER_*, LD_PRELOAD restored once the engine is built; what vLLM reads again later
     # (its VLLM_* settings, TORCHINDUCTOR_CACHE_DIR, ...) may stay (tests/rollout/test_vllm_gpu_paths.py)
-    from rlkit.rollout.engines.vllm import RESTORED_ENV
+    from rlkit.rollout.engines.vllm_platform import RESTORED_ENV
 
     assert {k: after.get(k) for k in RESTORED_ENV} == {k: before.get(k) for k in RESTORED_ENV}
     assert "libgomp" not in os.environ.get("LD_PRELOAD", "")

@@ -47,7 +47,10 @@ class FakeLLM:
         os.environ.update(LATER_USE | START_UP)
         random.seed(1), np.random.seed(1), torch.manual_seed(1)  # vLLM's set_random_seed
         torch.cuda.set_rng_state(torch.full((8,), 7, dtype=torch.uint8))  # current_platform.manual_seed_all
-        config = types.SimpleNamespace(use_v2_model_runner=FakeLLM.v2)
+        from vllm.config import CompilationMode
+
+        compilation = types.SimpleNamespace(mode=CompilationMode.NONE)  # eager: the model is not compiled
+        config = types.SimpleNamespace(use_v2_model_runner=FakeLLM.v2, compilation_config=compilation)
         self.llm_engine = types.SimpleNamespace(
             vllm_config=config, model_config=types.SimpleNamespace(max_model_len=512),
             set_weight_version=lambda v: None,

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from cfg_helpers import cuda_gpus
+from run_helpers import FIXTURES
 from vllm_import import import_vllm
 
 import_vllm()
 
 from rlkit.config.schema import REPO_ROOT  # noqa: E402
 
-TRAINER_TESTS = REPO_ROOT / "tests" / "trainer"  # rlkit_test_rewards lives there
 # On CUDA each process takes a GPU of its own: the second of two learner processes asks for cuda:1, and an async
 # run's rollout worker takes a GPU beside the learner's (trainer.rollout_gpus=1 on one GPU leaves none to train on).
 ONE_GPU_HOST = 0 < cuda_gpus() < 2
@@ -47,7 +47,7 @@ def _args(tiny, run_dir, *extra):
 
 def _start(*args) -> subprocess.Popen:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TRAINER_TESTS), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"  # the same summation order in every process
     return subprocess.Popen(
         [sys.executable, "-m", "rlkit.train", *args], cwd=REPO_ROOT, env=env, text=True,

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 from model_families import build_family
+from run_helpers import FIXTURES
 from vllm_import import import_vllm
 
 import_vllm()
 
 from rlkit.config.schema import REPO_ROOT  # noqa: E402
-
-TRAINER_TESTS = REPO_ROOT / "tests" / "trainer"  # rlkit_test_rewards lives there
 
 
 def _start(ckpt, run_dir, *extra) -> subprocess.Popen:
@@ -36,7 +35,7 @@ def _start(ckpt, run_dir, *extra) -> subprocess.Popen:
         *extra,
     ]  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TRAINER_TESTS), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
         [sys.executable, "-m", "rlkit.train", *args], cwd=REPO_ROOT, env=env, text=True,
