@@ -277,7 +277,14 @@ class Trainer:
 
             bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
         try:
-            self._run(bar, history)
+            with contextlib.ExitStack() as stack:
+                if bar is not None:  # log lines print above the bar instead of breaking it
+                    from tqdm.contrib.logging import logging_redirect_tqdm
+
+                    stack.enter_context(
+                        logging_redirect_tqdm([logging.getLogger(), logging.getLogger("vllm")])
+                    )
+                self._run(bar, history)
         finally:
             if bar is not None:
                 bar.close()

@@ -10,11 +10,36 @@ for path in (HERE / "fixtures", HERE):
         sys.path.insert(0, str(path))
 
 
+# The tests marked `slow` (`make test-fast` leaves them out; `make test`, CI, runs them): every run of the whole
+# trainer (tests/trainer), and the modules that build a vLLM engine, start a second process or train a model for
+# seconds. Over ~10 s a module on 2 cores; what stays is the edit loop's tier, under 2 minutes.
+SLOW = (
+    "trainer/",
+    "rollout/test_families.py", "rollout/test_vllm_engine.py", "rollout/test_vllm_inflight.py",
+    "rollout/test_vllm_moe_push.py", "rollout/test_vllm_train.py", "rollout/test_vllm_adapter.py",
+    "rollout/test_async_bridge.py", "rollout/test_hf_engine.py", "rollout/test_models.py",
+    "envs/test_multiturn.py", "envs/test_ecosystem_envs.py", "envs/test_containment.py", "envs/test_episodes.py",
+    "envs/test_shared_memory.py",
+    "config/test_config.py", "config/test_teacher_checks.py",
+    "learner/test_compiled.py", "learner/test_fsdp2.py", "learner/test_fsdp2_moe.py", "learner/test_distributed.py",
+    "learner/test_learner.py",
+    "rewards/test_correct.py", "rewards/test_reward_model.py", "rewards/test_reward_contract.py",
+    "rewards/test_reward_workers.py",
+    "data/test_reasoning_gym.py",
+    "eval/test_eval.py",
+    "misc/test_bench.py", "misc/test_wheel.py", "misc/test_gpu_check.py", "misc/test_step_in_40_lines.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests need a CUDA device by nature (CUDA memory, NCCL, sleep mode): skipped without one."""
+    """Marks the `SLOW` tests; `gpu`-marked tests need a CUDA device by nature (CUDA memory, NCCL, sleep mode):
+    skipped without one."""
     import pytest
     import torch
 
+    for item in items:
+        if Path(item.fspath).relative_to(HERE).as_posix().startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(

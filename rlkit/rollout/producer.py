@@ -268,10 +268,10 @@ class Producer:
         kept = int(sum(int(k.sum()) for k in keep))
         generated = sum(k.numel() for k in keep)
         if kept < needed and not self._told_shortfall and self.rank == 0:
-            # Once: a shortfall is normal early in training; every step counts it in dynamic/shortfall_groups
-            # and the trainer sums it up at the end of the run.
+            # Once, as information: a shortfall is normal early in training, not a problem; every step
+            # counts it in dynamic/shortfall_groups and the trainer sums it up at the end of the run.
             self._told_shortfall = True
-            log.warning(
+            log.info(
                 "dynamic sampling: %d of %d groups with signal after algo.max_gen_batches=%d generation "
                 "batches; training on them plus %d groups without signal (masked out of the loss). Later "
                 "shortfalls are counted in dynamic/shortfall_groups, summed up at the end of the run",

@@ -40,7 +40,7 @@ from rlkit.rollout.engines.base import (
     record_throughput,
 )
 from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
-from rlkit.rollout.engines.vllm_logs import quiet_push_logs
+from rlkit.rollout.engines.vllm_logs import quiet_build_logs, quiet_push_logs
 from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
 from rlkit.rollout.engines.vllm_platform import (
@@ -145,7 +145,7 @@ class VLLMEngine:
         from transformers import AutoModelForCausalLM
 
         # Importing vllm and building the engine change the process (see contained_side_effects).
-        with contained_side_effects():
+        with contained_side_effects(), quiet_build_logs() as quieted:
             usable, why = vllm_can_run(model_path)
             if not usable:
                 raise RuntimeError(
@@ -230,6 +230,8 @@ class VLLMEngine:
                 current_platform.device_type, time.perf_counter() - t0, self.model_runner, enforce_eager,
                 enable_sleep_mode, gpu_memory_utilization, kv_cache_gib if kv_cache_gib is not None else "auto",
             )  # fmt: skip
+        if quieted:
+            log.debug("vLLM start-up notices kept back (expected): %s", quieted)
         self.context = self.llm.llm_engine.model_config.max_model_len
         self.version = 0
         self.llm.llm_engine.set_weight_version("0")  # labels the tokens of every later engine step
@@ -452,7 +454,8 @@ __all__ = [
 def engine_arg_types() -> dict[str, object]:
     """vLLM's engine arguments and their annotations: the fields of `vllm.engine.arg_utils.EngineArgs`, which
     `vllm.LLM` builds from its keywords. Imports that module only: no engine is built."""
-    from vllm.engine.arg_utils import EngineArgs
+    with quiet_build_logs():  # the import's notices (the start-up checks import vLLM first)
+        from vllm.engine.arg_utils import EngineArgs
 
     try:
         hints = typing.get_type_hints(EngineArgs)

@@ -1,4 +1,4 @@
-"""Quiet weight pushes: vLLM's per-push log lines, folded into one rlkit line at debug level.
+"""Quiet weight pushes and a quiet start: vLLM's routine log lines, folded into one rlkit line at debug level.
 
 Each push (vLLM 0.32's layerwise reload, driven by vllm_reload.worker_reload) logs "Successfully reset prefix
 cache" (INFO) and a WARNING "RotaryEmbedding: Failed to load weights" for the rotary layer, which holds no
@@ -6,13 +6,17 @@ weights a checkpoint could bring (vLLM keeps its cached cos/sin table): a user w
 cannot act on it. (A real layer's "Failed to load weights" is also a WeightSyncError naming it.) Inside `quiet_push_logs()` those records are
 kept from vLLM's handlers and returned, so the engine logs them as one rlkit debug line; every other warning
 and every error of those loggers (e.g. "Following weights were not loaded") still reaches the user.
-No vllm import: these are logger names.
+`quiet_build_logs()` does the same for the notices vLLM logs while it imports and builds its engine that are
+about a choice rlkit made (eager mode, no chunked prefill, the dtype) or a CPU-build fact the user cannot act
+on. No vllm import: these are logger names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import warnings
 
 # The loggers a push writes to (vLLM 0.32 module names).
 PUSH_LOGGERS = (
@@ -56,6 +60,67 @@ def quiet_push_logs():
         lg.addFilter(f)
     try:
         yield f.quieted
+    finally:
+        for lg in loggers:
+            lg.removeFilter(f)
+
+
+# Notices vLLM 0.32 logs while it starts (the import, the engine's build, the first load of the weights) that
+# are about a choice rlkit made on the user's behalf, or a CPU-build fact the user cannot act on; a first run
+# printed 13 (148 with a bf16 engine) before its progress bar. (logger, message start, why it is expected.)
+BUILD_NOTICES = (
+    ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend",
+     "the CPU build runs without Triton"),
+    ("vllm.platforms.cpu", "Triton is not installed", "the CPU build runs without Triton"),
+    ("vllm.config.vllm", "Model Runner V2 requires Triton", "rlkit's build line names the runner"),
+    ("vllm.config.vllm", "Enforce eager set", "rlkit runs the CPU engine eagerly (enforce_eager)"),
+    ("vllm.config.vllm", "Inductor compilation was disabled", "rlkit runs the CPU engine eagerly"),
+    ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill",
+     "rlkit turns chunked prefill off on CPU (seeded requests: VLLMEngine)"),
+    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`",
+     "rlkit puts torch.set_num_threads back after the build"),
+    ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD", "a speed hint for the CPU build"),
+    ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD", "a speed hint for the CPU build"),
+    ("vllm.model_executor.models.utils", "Attempted to load weight",
+     "the checkpoint's dtype cast to model.dtype, which rlkit chose"),
+)  # fmt: skip
+
+
+class _BuildFilter(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.quieted: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        message = record.getMessage()
+        for name, start, why in BUILD_NOTICES:
+            if record.name == name and message.startswith(start):
+                self.quieted[why] = self.quieted.get(why, 0) + 1
+                return False
+        return True
+
+
+@contextlib.contextmanager
+def quiet_build_logs():
+    """Inside the block, vLLM's expected start-up notices (`BUILD_NOTICES`) are kept back, and so are the
+    deprecation warnings of vLLM's own modules (vLLM 0.32's import calls torch APIs that torch 2.13 deprecates:
+    nothing a user can act on); yields {why: count}. Every other warning and every error still reaches the
+    user. (One notice stays: the CPU worker's "NUMA binding" line, which torch's C++ logger writes to stderr
+    itself, out of reach of Python's logging.)"""
+    # vLLM's INFO lines (its configuration, each load and cache size: ~20 a build) are for debugging vLLM:
+    # WARNING and up unless the user set VLLM_LOGGING_LEVEL (read once, at vLLM's first import).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    f = _BuildFilter()
+    loggers = [logging.getLogger(name) for name in {n for n, _, _ in BUILD_NOTICES}]
+    for lg in loggers:
+        lg.addFilter(f)
+    try:
+        with warnings.catch_warnings():
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=r"vllm(\.|$)")
+            yield f.quieted
     finally:
         for lg in loggers:
             lg.removeFilter(f)

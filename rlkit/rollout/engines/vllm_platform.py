@@ -12,6 +12,7 @@ import torch
 
 from rlkit.collectives import free_port
 from rlkit.models import resolve_model
+from rlkit.rollout.engines.vllm_logs import quiet_build_logs
 
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -79,7 +80,8 @@ def contained_side_effects():
 
 def vllm_default(name: str):
     """The default of vLLM's engine argument `name` (a field of vllm.engine.arg_utils.EngineArgs)."""
-    from vllm.engine.arg_utils import EngineArgs
+    with quiet_build_logs():
+        from vllm.engine.arg_utils import EngineArgs
 
     return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
 
@@ -90,7 +92,8 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
 
     Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
     try:
-        from vllm.platforms import current_platform
+        with quiet_build_logs():  # the import's Triton notices
+            from vllm.platforms import current_platform
     except Exception as e:  # a broken install raises more than ImportError (e.g. torchvision ops)
         return False, f"vllm does not import ({type(e).__name__}: {e})"
 
@@ -98,7 +101,8 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
         return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
     if current_platform.is_cpu() and model_path is not None:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        with quiet_build_logs():  # imports vllm.config: Triton's notices
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         head = head_dim(model_path)
         if head is not None and head not in CPUAttentionBackend.get_supported_head_sizes():
