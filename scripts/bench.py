@@ -295,7 +295,8 @@ def child(framework: str, seed: int, args, out: Path, root: Path = REPO) -> dict
     its result comes back through a JSON file."""
     from ab import env_for
 
-    argv = without_options(args.argv, ("--against", "--rounds"))  # the A/B's own: a child runs one side
+    # The A/B's own options out: a child runs one side, in a scratch directory of its own (its run_dir)
+    argv = without_options(args.argv, ("--against", "--rounds", "--workdir"))
     cmd = [
         sys.executable,
         str(root / "scripts" / "bench.py"),
@@ -304,6 +305,8 @@ def child(framework: str, seed: int, args, out: Path, root: Path = REPO) -> dict
         "--_out",
         str(out),
         *argv,
+        "--workdir",
+        str(out.with_suffix("")),
         "--seed",
         str(seed),
     ]

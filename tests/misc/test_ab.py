@@ -81,6 +81,27 @@ def test_bench_children_get_the_options_without_the_ab_ones():
     ]
 
 
+def test_bench_children_run_in_a_scratch_directory_each(tmp_path, monkeypatch):
+    """Each side of each round gets its own --workdir (its trainer.run_dir), never the A/B's: a second side
+    in the first one's run directory is refused as a used run directory."""
+    commands = []
+
+    def run(cmd, **kwargs):
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--_out") + 1])
+        out.write_text("{}")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.argparse.Namespace(
+        argv=["--steps", "5", "--workdir", str(tmp_path), "--against", "abc", "--rounds", "2"]
+    )
+    for name in ("A-0", "B-0"):
+        bench.child("rlkit", 0, args, tmp_path / f"{name}.json", REPO_ROOT)
+    workdirs = [cmd[i + 1] for cmd in commands for i, a in enumerate(cmd) if a == "--workdir"]
+    assert workdirs == [str(tmp_path / "A-0"), str(tmp_path / "B-0")]  # one each, the A/B's own left out
+    assert all("--against" not in cmd and "--rounds" not in cmd for cmd in commands)
+
+
 def test_bench_figures_of_a_run_leave_out_step_one():
     steps = [
         {"seconds": s, "gen_tokens": g, "gen_s": gs, "learner_tokens": lt, "learner_s": ls, "reward": 0.0,
