@@ -1,6 +1,7 @@
 """What the tests that run the trainer share: the tiny model, the tiny run's overrides, `train`, launching
 `python -m rlkit.train` as a user does, reading metrics and checkpoints back."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -116,3 +117,27 @@ def one_and_two_processes(tmp_path, common, keys, extra) -> dict[int, Path]:
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
     return runs
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """`folder` (created) made unwritable: a read-only tmpfs mounted on it (CI runs as root, whom permission
+    bits do not stop), or without mount rights no write bits; skips the test where neither holds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        mounted = (
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)]).returncode == 0
+        )
+    except OSError:
+        mounted = False
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("mount -t tmpfs is not allowed here and root ignores permission bits")
+        folder.chmod(0o555)
+    try:
+        yield folder
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], check=False)
+        else:
+            folder.chmod(0o755)

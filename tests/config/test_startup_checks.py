@@ -5,7 +5,6 @@ run directory whose checkpoints cannot be written stop the run in the preflight,
 import json
 import logging
 import os
-import subprocess
 import time
 
 import pytest
@@ -106,26 +105,9 @@ def test_a_data_error_stops_the_run_before_any_model_loads(tiny, tmp_path, monke
 
 @pytest.fixture
 def read_only_checkpoints(tmp_path):
-    """A run directory whose checkpoints/ folder cannot be written: a read-only tmpfs mounted on it (CI
-    runs as root, whom permission bits do not stop), or without mount rights a folder without write bits."""
-    run_dir = tmp_path / "r"
-    ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(parents=True)
-    try:
-        mounted = (
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ckpts)]).returncode == 0
-        )
-    except OSError:
-        mounted = False
-    if not mounted:
-        if os.geteuid() == 0:
-            pytest.skip("mount -t tmpfs is not allowed here and root ignores permission bits")
-        ckpts.chmod(0o555)
-    yield run_dir
-    if mounted:
-        subprocess.run(["umount", "-l", str(ckpts)], check=False)
-    else:
-        ckpts.chmod(0o755)
+    """A run directory whose checkpoints/ folder cannot be written."""
+    with run_helpers.read_only(tmp_path / "r" / "checkpoints"):
+        yield tmp_path / "r"
 
 
 def test_an_unwritable_checkpoints_folder_stops_the_run_before_any_model_loads(

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_helpers import alive, recorded, wait_dead
 from run_helpers import FIXTURES, tiny  # noqa: F401  (the tiny model)
 from test_episodes import _run, encode, tiny_dir, tok  # noqa: F401  (its tokenizer, a scripted engine)
 
@@ -24,27 +25,6 @@ from rlkit.rewards.containment import ProcessCap
 from rlkit.rewards.functions import call_reward, reward_number
 
 M = "rlkit_test_contained_envs"
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` is a live (not zombie) process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _recorded(path: Path) -> list[int]:
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def _wait_dead(pids, within_s=3.0) -> list[int]:
-    """The pids still alive after `within_s` (a SIGKILLed process needs a moment to be reaped by init)."""
-    end = time.monotonic() + within_s
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < end:
-        time.sleep(0.05)
-    return alive
 
 
 def _cgroup_available() -> bool:
@@ -119,8 +99,8 @@ def test_a_reward_function_that_hogs_memory_or_leaves_a_child_is_contained(tmp_p
         scorer.close()
     assert scores.per_fn[f"{M}:leaves_a_child"] == [1.0] and scores.per_fn[f"{M}:hogging"] == [0.0]
     assert scores.errors == 1 and scores.timeouts == 0  # the hog: a MemoryError in its worker, not a crash
-    (child,) = _recorded(record)
-    assert _wait_dead([child]) == []  # killed at the end of the batch
+    (child,) = recorded(record)
+    assert wait_dead([child]) == []  # killed at the end of the batch
 
 
 def test_a_reward_function_returning_a_huge_list_gets_a_short_message_at_once():
@@ -142,8 +122,8 @@ def test_a_run_with_a_memory_hog_that_leaves_processes_finishes_and_counts_it(ti
         "env.max_turns=3", "env.max_total_tokens=64", "rollout.max_new_tokens=8", "trainer.eval_at_start=false",
     )  # fmt: skip
     assert [m["env/errors"] for m in metrics] == [8, 8] and all(m["env/timeouts"] == 0 for m in metrics)
-    pids = _recorded(record)
-    assert len(pids) >= 2 * 8 * 2 and _wait_dead(pids) == []  # 2 per step of each episode
+    pids = recorded(record)
+    assert len(pids) >= 2 * 8 * 2 and wait_dead(pids) == []  # 2 per step of each episode
 
 
 # -- processes -------------------------------------------------------------------------------------------
@@ -154,9 +134,9 @@ def test_children_of_a_timed_out_step_die_with_it(tmp_path, cap_mode):
     workers, results = _steps("Spinners", {"record": str(record)}, 1, timeout_s=3.0)
     try:
         assert results[0][0] == "timeout"
-        pids = _recorded(record)
+        pids = recorded(record)
         assert len(pids) == 4
-        assert _wait_dead(pids) == []  # before the batch ends: with the timeout kill
+        assert wait_dead(pids) == []  # before the batch ends: with the timeout kill
     finally:
         workers.close()
 
@@ -167,11 +147,11 @@ def test_processes_an_environment_starts_die_at_the_end_of_the_batch(tmp_path, c
     workers, results = _steps("Sleepers", {"record": str(record), "escape": escape}, 2)
     try:
         assert all(status == "ok" for status, _ in results.values())
-        pids = _recorded(record)
-        assert len(pids) == 2 * (5 + escape) and all(map(_alive, pids))  # the test sees them
+        pids = recorded(record)
+        assert len(pids) == 2 * (5 + escape) and all(map(alive, pids))  # the test sees them
     finally:
         workers.close()
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids) == []
 
 
 def test_a_fork_loop_is_capped_and_killed(tmp_path, cap_mode):
@@ -181,7 +161,7 @@ def test_a_fork_loop_is_capped_and_killed(tmp_path, cap_mode):
         "ForkLoop", {"record": str(record)}, 1, timeout_s=2.0, limits=Limits(max_processes=cap)
     )
     try:
-        pids = _recorded(record)
+        pids = recorded(record)
         assert results[0][0] in ("timeout", "error")
         if cap_mode == "cgroup":  # forks over the cap fail (the worker and its 2 output threads count too)
             assert len(pids) <= cap
@@ -190,7 +170,7 @@ def test_a_fork_loop_is_capped_and_killed(tmp_path, cap_mode):
         assert subprocess.run(["true"]).returncode == 0  # the trainer can still start processes
     finally:
         workers.close()
-    assert pids and _wait_dead(pids) == []
+    assert pids and wait_dead(pids) == []
 
 
 MAIN = """

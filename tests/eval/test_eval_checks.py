@@ -1,10 +1,8 @@
 """`rlkit.eval`'s start-up checks (rlkit/rollout/evaluation.py check_config): eval.output must be writable
 before any model loads, and every k of eval.ks must be at most the samples per prompt."""
 
-import os
-import subprocess
-
 import pytest
+from run_helpers import read_only
 
 from rlkit.config.schema import ConfigError, RLConfig
 from rlkit.rollout.evaluation import check_config
@@ -12,25 +10,9 @@ from rlkit.rollout.evaluation import check_config
 
 @pytest.fixture
 def read_only_folder(tmp_path):
-    """A folder that cannot be written: a read-only tmpfs (root ignores permission bits), or without mount
-    rights a folder without write bits."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    try:
-        mounted = (
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)]).returncode == 0
-        )
-    except OSError:
-        mounted = False
-    if not mounted:
-        if os.geteuid() == 0:
-            pytest.skip("mount -t tmpfs is not allowed here and root ignores permission bits")
-        folder.chmod(0o555)
-    yield folder
-    if mounted:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-    else:
-        folder.chmod(0o755)
+    """A folder that cannot be written."""
+    with read_only(tmp_path / "ro") as folder:
+        yield folder
 
 
 @pytest.mark.parametrize("where", ["ro/eval.json", "ro/new/eval.json", "a_file/eval.json"])
