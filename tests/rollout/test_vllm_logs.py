@@ -22,6 +22,7 @@ def _collect(name: str) -> tuple[logging.Logger, list[str]]:
 def test_the_engine_dtype_cast_notices_are_one_count_and_other_warnings_stay():
     utils, seen = _collect("vllm.model_executor.models.utils")
     cpu_worker, seen_worker = _collect("vllm.v1.worker.cpu_worker")
+    platform, seen_platform = _collect("vllm.platforms.interface")
     fmt = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
     with quiet_build_logs() as quieted:
         for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
@@ -29,11 +30,14 @@ def test_the_engine_dtype_cast_notices_are_one_count_and_other_warnings_stay():
         utils.warning("Some other problem with %s", "model.norm.weight")  # not a known notice: shown
         cpu_worker.warning("%s is not found in LD_PRELOAD. For best performance ...", "libtcmalloc")
         cpu_worker.error("%s is not found in LD_PRELOAD.", "libtcmalloc")  # an error always shows
+        platform.warning("Unknown vLLM environment variable detected: %s", "VLLM_DIST_IDENT")  # vLLM's own
+        platform.warning("Unknown vLLM environment variable detected: %s", "VLLM_TYPO")  # the user's: shown
     utils.warning(fmt, "model.norm.weight", torch.float32, torch.bfloat16)  # outside the build: shown
     assert seen == ["Some other problem with model.norm.weight", fmt % ("model.norm.weight", "torch.float32",
                     "torch.bfloat16")]  # fmt: skip
     assert seen_worker == ["libtcmalloc is not found in LD_PRELOAD."]
-    assert sum(quieted.values()) == 4 and len(quieted) == 2
+    assert seen_platform == ["Unknown vLLM environment variable detected: VLLM_TYPO"]
+    assert sum(quieted.values()) == 5 and len(quieted) == 3
 
 
 def test_deprecation_warnings_of_vllm_modules_only_are_kept_back():

@@ -83,6 +83,13 @@ BUILD_NOTICES = (
     ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD", "a speed hint for the CPU build"),
     ("vllm.model_executor.models.utils", "Attempted to load weight",
      "the checkpoint's dtype cast to model.dtype, which rlkit chose"),
+    # A second engine in one process (rlkit.eval after training, a notebook, a test suite) meets the variables
+    # the first one set: vLLM's own VLLM_DIST_IDENT (any other unknown VLLM_* variable is still warned
+    # about), and V1 multiprocessing off, which external_launcher needs.
+    ("vllm.platforms.interface", "Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
+     "vLLM's CPU worker set it for an earlier engine of this process"),
+    ("vllm.engine.arg_utils", "The global random seed is set to",
+     "rlkit restores every random state after the build (contained_side_effects)"),
 )  # fmt: skip
 
 
