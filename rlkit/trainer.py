@@ -271,19 +271,16 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError):  # not the main thread
                 previous[sig] = signal.signal(sig, self._on_signal)
-        bar = None
+        bar, redirect = None, contextlib.nullcontext()
         if self.is_main and t.progress_bar:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
+            # log lines print above the bar instead of breaking it
+            redirect = logging_redirect_tqdm([logging.getLogger(), logging.getLogger("vllm")])
         try:
-            with contextlib.ExitStack() as stack:
-                if bar is not None:  # log lines print above the bar instead of breaking it
-                    from tqdm.contrib.logging import logging_redirect_tqdm
-
-                    stack.enter_context(
-                        logging_redirect_tqdm([logging.getLogger(), logging.getLogger("vllm")])
-                    )
+            with redirect:
                 self._run(bar, history)
         finally:
             if bar is not None:

@@ -451,11 +451,11 @@ __all__ = [
 ]
 
 
+@quiet_build_logs()  # the import's notices (the start-up checks import vLLM first)
 def engine_arg_types() -> dict[str, object]:
     """vLLM's engine arguments and their annotations: the fields of `vllm.engine.arg_utils.EngineArgs`, which
     `vllm.LLM` builds from its keywords. Imports that module only: no engine is built."""
-    with quiet_build_logs():  # the import's notices (the start-up checks import vLLM first)
-        from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs
 
     try:
         hints = typing.get_type_hints(EngineArgs)

@@ -52,17 +52,24 @@ class _PushFilter(logging.Filter):
 
 
 @contextlib.contextmanager
-def quiet_push_logs():
-    """Inside the block, vLLM's routine push records are kept back; yields the list of their messages."""
-    f = _PushFilter()
-    loggers = [logging.getLogger(name) for name in PUSH_LOGGERS]
+def _filtered(names, f: logging.Filter):
+    """Inside the block, the loggers `names` pass their records through `f` first."""
+    loggers = [logging.getLogger(name) for name in names]
     for lg in loggers:
         lg.addFilter(f)
     try:
-        yield f.quieted
+        yield
     finally:
         for lg in loggers:
             lg.removeFilter(f)
+
+
+@contextlib.contextmanager
+def quiet_push_logs():
+    """Inside the block, vLLM's routine push records are kept back; yields the list of their messages."""
+    f = _PushFilter()
+    with _filtered(PUSH_LOGGERS, f):
+        yield f.quieted
 
 
 # Notices vLLM 0.32 logs while it starts (the import, the engine's build, the first load of the weights) that
@@ -111,7 +118,7 @@ class _BuildFilter(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_build_logs():
-    """Inside the block, vLLM's expected start-up notices (`BUILD_NOTICES`) are kept back, and so are the
+    """Inside the block (or the call, as a decorator), vLLM's expected start-up notices (`BUILD_NOTICES`) are kept back, and so are the
     deprecation warnings of vLLM's own modules (vLLM 0.32's import calls torch APIs that torch 2.13 deprecates:
     nothing a user can act on); yields {why: count}. Every other warning and every error still reaches the
     user. (One notice stays: the CPU worker's "NUMA binding" line, which torch's C++ logger writes to stderr
@@ -120,14 +127,7 @@ def quiet_build_logs():
     # WARNING and up unless the user set VLLM_LOGGING_LEVEL (read once, at vLLM's first import).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     f = _BuildFilter()
-    loggers = [logging.getLogger(name) for name in {n for n, _, _ in BUILD_NOTICES}]
-    for lg in loggers:
-        lg.addFilter(f)
-    try:
-        with warnings.catch_warnings():
-            for category in (FutureWarning, DeprecationWarning):
-                warnings.filterwarnings("ignore", category=category, module=r"vllm(\.|$)")
-            yield f.quieted
-    finally:
-        for lg in loggers:
-            lg.removeFilter(f)
+    with _filtered({n for n, _, _ in BUILD_NOTICES}, f), warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"vllm(\.|$)")
+        yield f.quieted

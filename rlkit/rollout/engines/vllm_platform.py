@@ -80,20 +80,19 @@ def contained_side_effects():
 
 def vllm_default(name: str):
     """The default of vLLM's engine argument `name` (a field of vllm.engine.arg_utils.EngineArgs)."""
-    with quiet_build_logs():
-        from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # imported by the engine's (quiet) build already
 
     return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
 
 
+@quiet_build_logs()  # the first vLLM import of a run (the start-up checks): its Triton notices
 def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
     head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512).
 
     Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
     try:
-        with quiet_build_logs():  # the import's Triton notices
-            from vllm.platforms import current_platform
+        from vllm.platforms import current_platform
     except Exception as e:  # a broken install raises more than ImportError (e.g. torchvision ops)
         return False, f"vllm does not import ({type(e).__name__}: {e})"
 
@@ -101,8 +100,7 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
         return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
     if current_platform.is_cpu() and model_path is not None:
-        with quiet_build_logs():  # imports vllm.config: Triton's notices
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         head = head_dim(model_path)
         if head is not None and head not in CPUAttentionBackend.get_supported_head_sizes():
