@@ -14,6 +14,7 @@ learner, the rollout engines and the tests:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -174,6 +175,33 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.to(device)
+
+
+def load_value_model(path: str):
+    """The PPO critic (algo.value_model): backbone + Linear(hidden, 1) head: transformers' token-classification model with one label."""
+    from transformers import AutoModelForTokenClassification
+
+    resolved, gguf_file = resolve_model(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForTokenClassification.from_pretrained(
+        resolved, num_labels=1, dtype=torch.float32, **kwargs
+    )
+    model.config.use_cache = False
+    return model
+
+
+@contextlib.contextmanager
+def eval_mode(*models):
+    """The models in eval mode (no dropout) inside the block, each back in its own mode after it."""
+    present = [m for m in models if m is not None]
+    modes = [m.training for m in present]
+    try:
+        for m in present:
+            m.eval()
+        yield
+    finally:
+        for m, mode in zip(present, modes):
+            m.train(mode)
 
 
 def make_tiny_checkpoint(

@@ -313,7 +313,7 @@ class Trainer:
         self._baseline()
         while self.step < t.steps:
             metrics = self.train_step()
-            self.sync.check_first_batches(metrics, self.step)
+            self.sync.check_batch(metrics, self.step)
             self.step += 1
             timers = Timers()
             if self.sync.eval_due(self.step):

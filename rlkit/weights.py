@@ -433,11 +433,19 @@ def probe_gap(engine_logp: Tensor, learner_logp: Tensor) -> float:
 
 
 def check_probe(
-    gap: float, bound: float, *, when: str, engine: str, accepted: float | None = None, at_load: bool = False
+    gap: float,
+    bound: float,
+    *,
+    when: str,
+    engine: str,
+    accepted: float | None = None,
+    at_load: bool = False,
+    on: str = "the probe's fixed tokens",
 ) -> None:
     """Raise `WeightSyncError` when the probe's `gap` exceeds `bound` (or the gap the run `accepted`,
     `rollout.accept_engine_gap`, when that is larger). `at_load`: the engine as loaded, before any push (a gap
-    there is the engine's forward; after a push it is the push)."""
+    there is the engine's forward; after a push it is the push). `on`: the tokens the gap was measured on (the
+    fixed ones, or a batch the engine sampled: rlkit.sync.WeightSync.check_batch)."""
     limit = bound if accepted is None else max(bound, accepted)
     if gap <= limit:
         return
@@ -450,7 +458,7 @@ def check_probe(
     else:
         why = "The push left the engine computing something else (stale or mangled tensors): train with rollout.engine=hf"
     raise WeightSyncError(
-        f"the {engine} engine's log-probs differ from the learner's {when}: mean |dlogp| = {gap:.3g} on the "
-        f"probe's fixed tokens, above {limit:.3g} (the bound of this compute dtype"
+        f"the {engine} engine's log-probs differ from the learner's {when}: mean |dlogp| = {gap:.3g} on {on}, "
+        f"above {limit:.3g} (the bound of this compute dtype"
         f"{'' if accepted is None else ' or rollout.accept_engine_gap'}). {why}"
     )

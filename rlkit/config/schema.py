@@ -152,7 +152,8 @@ class RolloutConfig:
     """After every weight push, compare the sha256 of the engine's tensors with the learner's (HF: tensor for
     tensor; vLLM: none may change when the learner's did not, every one built from a changed learner tensor
     must change; on CPU the linear weights vLLM repacks into its kernels' format are left out) and probe the
-    engine's log-probs on fixed tokens against the learner's (also at start-up); a mismatch is a
+    engine's log-probs against the learner's (vLLM: on fixed tokens at start-up, before an evaluation and in
+    async workers; on the next batch's own tokens otherwise, rlkit/sync.py); a mismatch is a
     WeightSyncError naming the tensors. In async mode each rollout worker checks its engine against the
     digests and probe of what the learner sent. Measured cost for a 135M model on 2 CPU cores (before the
     probe and the whole-engine digests): about 0.7 s (HF), 0.20 s (vLLM fp32), 0.11 s (vLLM bf16) per push."""

@@ -7,7 +7,8 @@ It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the
 """
 
 from rlkit.learner import compiled, lora, optim, strategy, teacher
-from rlkit.learner.learner import Learner, LogProbs
+from rlkit.learner.learner import Learner
+from rlkit.learner.logprobs import LogProbs
 
 __all__ = ["Learner", "LogProbs", "check_config"]
 

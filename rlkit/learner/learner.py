@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,55 +54,17 @@ from rlkit.learner.batching import (
     padding_micro,
     plan_minibatches,
 )
-from rlkit.learner.logprobs import critic_values, score
+from rlkit.learner.logprobs import LogProbs, critic_values, score
 from rlkit.learner.lora import add_adapters, base_manifest, merged_weights
 from rlkit.learner.loss import MicroInputs, micro_loss
 from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
-from rlkit.models import load_causal_lm, resolve_model
+from rlkit.models import eval_mode, load_causal_lm, load_value_model
 from rlkit.rundir import CheckpointError, latest_checkpoint
 from rlkit.weights import Export, iter_full_parameters, module_manifest
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
-
-
-@dataclass
-class LogProbs:
-    """What `Learner.forward` returns; each tensor [N, T] float32, detached, 0 where response_mask is False."""
-
-    logprobs: Tensor | None = None
-    ref_logprobs: Tensor | None = None
-    teacher_logprobs: Tensor | None = None
-    values: Tensor | None = None
-    entropy: Tensor | None = None
-
-
-def _load_value_model(path: str):
-    """Backbone + Linear(hidden, 1) head: transformers' token-classification model with one label."""
-    from transformers import AutoModelForTokenClassification
-
-    resolved, gguf_file = resolve_model(path)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForTokenClassification.from_pretrained(
-        resolved, num_labels=1, dtype=torch.float32, **kwargs
-    )
-    model.config.use_cache = False
-    return model
-
-
-@contextlib.contextmanager
-def _eval_mode(*models):
-    """The models in eval mode (no dropout) inside the block, each back in its own mode after it."""
-    present = [m for m in models if m is not None]
-    modes = [m.training for m in present]
-    try:
-        for m in present:
-            m.eval()
-        yield
-    finally:
-        for m, mode in zip(present, modes):
-            m.train(mode)
 
 
 class Learner:
@@ -157,7 +118,7 @@ class Learner:
         self.scheduler = optim.scheduler(self.optimizer, t, d.optimizer_steps)
         self.value_model = self.value_optimizer = self.value_scheduler = None
         if a.value_model:
-            critic = _load_value_model(m.path)
+            critic = load_value_model(m.path)
             if m.gradient_checkpointing:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.value_model, self.value_optimizer = acc.prepare(critic, optim.adamw(critic, t))
@@ -231,7 +192,7 @@ class Learner:
             op=dist.ReduceOp.MAX,
         )
         micros = micros + [padding_micro(rows)] * (int(count[0]) - len(micros))  # every rank runs as many
-        with _eval_mode(self.model, self.value_model):  # scores without dropout (LoRA's): deterministic
+        with eval_mode(self.model, self.value_model):  # scores without dropout (LoRA's): deterministic
             for m in micros:
                 self._forward_micro(m, out, policy=policy, ref=ref, values=values, teacher=teacher)
         return LogProbs(**out)
@@ -488,7 +449,7 @@ class Learner:
         temperature 1 and without truncation, [N, L-1] float32 on the CPU; every rank must call it (FSDP2
         gathers inside the forward)."""
         ids = tokens.to(self.device)
-        with _eval_mode(self.model):
+        with eval_mode(self.model):
             logits = self.model(input_ids=ids, use_cache=False).logits.float()
         return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
 

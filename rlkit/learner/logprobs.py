@@ -20,8 +20,22 @@ The kept set is piecewise constant in z, so it contributes no gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass
+class LogProbs:
+    """What `Learner.forward` returns; each tensor [N, T] float32, detached, 0 where response_mask is False."""
+
+    logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    entropy: Tensor | None = None
+
 
 BF16_HEAD_MIN_POSITIONS = 256
 """Under bf16 compute the chunked head multiplies in bf16 only from this many positions per call: the bf16

@@ -104,7 +104,7 @@ class LocalRollouts:
         """A resumed run's engine was built from the initial weights: give it the checkpoint's. Either way the
         engine's weights are checked against the learner's before the first step (`rollout.verify_push`)."""
         if step > 0:
-            self.push(export, step)
+            self._push(export, step, probe_now=True)
         elif self.cfg.rollout.verify_push:
             self.digests = verify_push(export, self.engine)
             # The engine as loaded computes what the learner computes;
@@ -112,23 +112,37 @@ class LocalRollouts:
             # change and the probe must still agree (a push that mangles a layer stops the run here).
             self.probe(export, when="as loaded, before training", at_load=True)
             if self.engine.digest_sources() is not None:
-                self.push(export, 0)
+                self._push(export, 0, probe_now=True)
 
     def produce(self, step: int, timers) -> ScoredBatch:
         return self.producer.produce(step, timers)
 
     def push(self, export: Export, version: int, *, evaluate: bool = False) -> dict[str, float]:
-        """Push and verify; `evaluate` is for the async workers (this engine evaluates when asked)."""
+        """Push and verify (`_push`)."""
+        return self._push(export, version, probe_now=evaluate)
+
+    def _push(self, export: Export, version: int, *, probe_now: bool) -> dict[str, float]:
+        """Push and verify: the digests, then the log-prob probe. The probe of a push that the next batch
+        trains on is that batch itself: this engine's sampled log-probs against the learner's, which the step
+        computes anyway (`mismatch/logprob_abs_diff`); the push returns the bound as `probe_bound` and
+        rlkit.sync.WeightSync.check_batch compares (no extra forward on either side). `probe_now`: a push that
+        is evaluated (the eval reads its weights before any batch) or `start`'s (whose statistics go nowhere)
+        is probed on the fixed tokens here, as is every push when no batch can probe (rollout.return_logprobs
+        off); the gap is returned as `probe_gap`."""
         # Cast here (a bf16 engine gets bf16: half the bytes, and vLLM warns for every tensor it must cast).
         stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype)
         self.engine.set_version(version)  # labels the tokens it samples from now on
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)
-            gap = self.probe(export, when=f"after the push of version {version}")
-            stats = {**stats, "verify_seconds": time.perf_counter() - start}
-            if gap is not None:
-                stats["probe_gap"] = gap
+            stats = dict(stats)
+            # (an engine without prompt log-probs, HF, is checked tensor for tensor: its digests are exact)
+            probed = export.probe is not None and hasattr(self.engine, "prompt_logprobs")
+            if probed and (probe_now or not self.cfg.rollout.return_logprobs):
+                stats["probe_gap"] = self.probe(export, when=f"after the push of version {version}")
+            elif probed:
+                stats["probe_bound"] = probe_bound(export.probe_dtype, self.engine.weight_dtype)
+            stats["verify_seconds"] = time.perf_counter() - start
         return stats
 
     def probe(self, export: Export, *, when: str, at_load: bool = False) -> float | None:

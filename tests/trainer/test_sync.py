@@ -1,5 +1,6 @@
 """`rlkit.sync.WeightSync` with a recording stand-in for the rollout side: versions, the eval that rides on a
-push, the push's metrics, and the log-prob check of the first batches after (re)start."""
+push, the push's metrics, the log-prob check of the first batches after (re)start, and the probe a push leaves
+to the batch its version samples."""
 
 import pytest
 import torch
@@ -13,21 +14,22 @@ class Recorder:
     engine_name = "recorder"
     last_eval: list = []
 
-    def __init__(self):
-        self.calls = []
-
     def start(self, export, step, *, evaluate=False):
         self.calls.append(("start", step, evaluate))
 
-    def push(self, export, version, *, evaluate=False):
-        self.calls.append(("push", version, evaluate))
-        return {
+    def __init__(self):
+        self.calls = []
+        self.stats = {
             "bytes": 2e9,
             "verify_seconds": 0.5,
             "export_seconds": 0.25,
             "load_seconds": 1.0,
             "probe_gap": 3e-7,
         }
+
+    def push(self, export, version, *, evaluate=False):
+        self.calls.append(("push", version, evaluate))
+        return dict(self.stats)
 
 
 def _sync(steps=10, eval_every=4, threshold=None, dtype="float32"):
@@ -69,16 +71,53 @@ def test_the_first_two_fresh_batches_after_start_are_checked_against_the_dtypes_
     over = {"staleness/max": 0.0, "mismatch/kl": bound * 1.01}
     under = {"staleness/max": 0.0, "mismatch/kl": -bound * 0.99}
     with pytest.raises(WeightSyncError, match="right after the first weight push"):
-        sync.check_first_batches(over, 5)
+        sync.check_batch(over, 5)
     with pytest.raises(WeightSyncError, match="recorder"):
-        sync.check_first_batches({**over, "mismatch/kl": -bound * 1.01}, 6)
-    sync.check_first_batches(under, 5)
-    sync.check_first_batches(over, 7)  # later batches: policy change, not a failed push
-    sync.check_first_batches({**over, "staleness/max": 1.0}, 5)  # a stale batch (async)
+        sync.check_batch({**over, "mismatch/kl": -bound * 1.01}, 6)
+    sync.check_batch(under, 5)
+    sync.check_batch(over, 7)  # later batches: policy change, not a failed push
+    sync.check_batch({**over, "staleness/max": 1.0}, 5)  # a stale batch (async)
 
 
 def test_step_zero_is_named_and_a_configured_bound_wins():
     sync, _ = _sync(threshold=1e-3)
     sync.start(EXPORT, 0)
     with pytest.raises(WeightSyncError, match=r"before training \(step 0\)"):
-        sync.check_first_batches({"staleness/max": 0.0, "mismatch/kl": 2e-3}, 0)
+        sync.check_batch({"staleness/max": 0.0, "mismatch/kl": 2e-3}, 0)
+
+
+def _batch(gap, staleness=0.0):
+    return {"staleness/max": staleness, "mismatch/kl": 0.0, "mismatch/logprob_abs_diff": gap}
+
+
+def test_a_push_left_to_its_batch_is_checked_on_that_batch_only_against_its_bound():
+    sync, rollouts = _sync(steps=10)
+    rollouts.stats = {"bytes": 1e9, "probe_bound": 1e-4}
+    sync.start(EXPORT, 0)
+    sync.check_batch(_batch(0.5), 0)  # version 0 was probed at start (no bound left to its batch)
+    metrics = sync.push(EXPORT)  # version 1: its probe is the batch of step 1
+    assert "weight_sync/probe_gap" not in metrics and "probe_bound" not in metrics
+    sync.check_batch(_batch(0.99e-4), 1)
+    sync.push(EXPORT)  # version 2
+    with pytest.raises(
+        WeightSyncError,
+        match=r"recorder engine's log-probs differ from the learner's after the push "
+        r"of version 2: mean \|dlogp\| = 0.02 on the tokens it sampled for step 3, above 0.0001",
+    ):
+        sync.check_batch(_batch(0.02), 2)
+    sync.push(EXPORT)  # version 3, trained one version stale (async): policy change, not the push's drift
+    sync.check_batch(_batch(0.02, staleness=1.0), 3)
+    sync.check_batch(_batch(0.02), 4)  # no push of version 4 left its probe to this batch
+    assert sync.batch_probes == {}
+
+
+def test_the_accepted_engine_gap_widens_the_batch_probe_as_it_does_the_fixed_one():
+    sync, rollouts = _sync(steps=10)
+    sync.cfg.rollout.accept_engine_gap = 0.01
+    rollouts.stats = {"probe_bound": 1e-4}
+    sync.start(EXPORT, 0)
+    sync.push(EXPORT)
+    sync.check_batch(_batch(0.009), 1)
+    sync.push(EXPORT)
+    with pytest.raises(WeightSyncError, match="rollout.accept_engine_gap"):
+        sync.check_batch(_batch(0.011), 2)
