@@ -42,7 +42,7 @@ def test_two_steps_log_to_offline_wandb_and_write_hf_checkpoint(tiny, tmp_path, 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
     run_dir = tmp_path / "run"
-    hist = train(tiny, run_dir, "logger=wandb", "algo.kl_coef=0.1")
+    hist = train(tiny, run_dir, "logger=wandb", "algo.kl_coef=0.1", "trainer.curves=true")
     assert len(hist) == 2
     for key in [*REQUIRED, "rollout/kl", "eval/pass@1"]:
         assert key in hist[-1], key
@@ -133,6 +133,7 @@ def test_failing_reward_functions_are_counted_and_the_run_continues(tiny, tmp_pa
     m = hist[0]
     assert m["reward/errors"] > 0 and m["reward/timeouts"] > 0
     assert m["reward/errors"] >= m["reward/timeouts"]
+    assert not (tmp_path / "x" / "curves.png").exists()  # trainer.curves=false (run_helpers.overrides)
 
 
 def test_launch_line_from_repo_root_and_two_processes_from_another_folder(tiny, tmp_path):
