@@ -14,6 +14,7 @@ learner, the rollout engines and the tests:
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import logging
 import os
@@ -146,24 +147,64 @@ def load_tokenizer(path: str | os.PathLike):
     - a tokenizer without a pad token pads with its EOS token (a warning is logged); since the
       attention mask excludes padding, the pad id's value never reaches the model;
     - a tokenizer without a chat template gets `FALLBACK_CHAT_TEMPLATE` (a warning is logged).
+
+    Each call returns a new object (a caller may change it). A local checkpoint's tokenizer is parsed once per
+    process and deep-copied afterwards (a run loads it in the trainer and again in its engine: a copy takes a
+    third of a parse), as long as the directory's files keep their sizes and modification times.
     """
+    directory, gguf_file = resolve_model(path)
+    key = _tokenizer_key(path, directory, gguf_file)
+    if key is None:
+        return _parse_tokenizer(path, directory, gguf_file)[0]
+    if key not in _TOKENIZERS:
+        while len(_TOKENIZERS) >= _TOKENIZER_CACHE_SIZE:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        _TOKENIZERS[key] = _parse_tokenizer(path, directory, gguf_file)
+    else:
+        for message in _TOKENIZERS[key][1]:  # the warnings of a parse, again for this caller
+            log.warning("%s", message)
+    return copy.deepcopy(_TOKENIZERS[key][0])
+
+
+_TOKENIZER_CACHE_SIZE = 4
+_TOKENIZERS: dict[tuple, tuple] = {}
+"""(path, directory, gguf file, the directory's files) -> (the parsed tokenizer, its warnings), oldest first."""
+
+
+def _tokenizer_key(path, directory: str, gguf_file: str | None) -> tuple | None:
+    """What a parse depends on: None for a hub id (no local files to watch)."""
+    if not os.path.isdir(directory):
+        return None
+    files = []
+    with os.scandir(directory) as it:
+        for e in it:
+            if e.is_file():
+                st = e.stat()
+                files.append((e.name, st.st_size, st.st_mtime_ns))
+    return str(path), directory, gguf_file, tuple(sorted(files))
+
+
+def _parse_tokenizer(path, directory: str, gguf_file: str | None):
+    """(the tokenizer set up as `load_tokenizer` says, the warnings it logged)."""
     from transformers import AutoTokenizer
 
-    directory, gguf_file = resolve_model(path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     tokenizer.padding_side = "left"
+    warnings = []
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer of {path!r} has neither a pad token nor an EOS token")
-        log.warning("tokenizer of %r has no pad token: padding with EOS %r", path, tokenizer.eos_token)
+        warnings.append(f"tokenizer of {path!r} has no pad token: padding with EOS {tokenizer.eos_token!r}")
         tokenizer.pad_token = tokenizer.eos_token
     if not getattr(tokenizer, "chat_template", None):
-        log.warning(
-            "tokenizer of %r has no chat template: using rlkit's plain 'role: content' template", path
+        warnings.append(
+            f"tokenizer of {path!r} has no chat template: using rlkit's plain 'role: content' template"
         )
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
-    return tokenizer
+    for message in warnings:
+        log.warning("%s", message)
+    return tokenizer, warnings
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu"):

@@ -93,3 +93,24 @@ def test_tokenizer_fallbacks_pad_and_chat_template(tiny_ckpt, tmp_path, caplog):
         add_generation_prompt=True,
     )
     assert text == "system: Be brief.\nuser: Hi\nassistant: "
+
+
+def test_a_reloaded_tokenizer_is_a_fresh_copy_and_follows_its_files(tiny_ckpt, tmp_path, caplog):
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_ckpt, bare)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("pad_token", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    first = load_tokenizer(bare)
+    first.padding_side = "right"
+    first.add_tokens(["<rlkit-extra>"])
+    with caplog.at_level(logging.WARNING, logger=models.__name__):
+        second = load_tokenizer(bare)  # parsed once per process (models._TOKENIZERS): a copy, warned again
+    assert second is not first and second.padding_side == "left" and len(second) == len(first) - 1
+    assert "no pad token" in caplog.text
+    assert second("hello world")["input_ids"] == load_tokenizer(tiny_ckpt)("hello world")["input_ids"]
+    # a checkpoint written again in the same directory (here: its pad token back) is parsed again
+    cfg["pad_token"] = "<|endoftext|>"
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    third = load_tokenizer(bare)
+    assert second.pad_token == second.eos_token != "<|endoftext|>" and third.pad_token == "<|endoftext|>"
