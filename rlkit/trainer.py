@@ -290,7 +290,8 @@ class Trainer:
         if self.is_main:  # curves for a user without W&B: <run_dir>/curves.png (scripts/plot_run.py RUN_DIR)
             for line in run_summary(history):
                 log.info("%s", line)
-            plot_finished_run(self.run_dir)
+            if t.curves:
+                plot_finished_run(self.run_dir)
         return history
 
     def _baseline(self) -> None:

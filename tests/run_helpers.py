@@ -47,6 +47,8 @@ def overrides(tiny, run_dir, *extra):
             "trainer.save_every=0",
             "trainer.lr=1e-3",
             "trainer.progress_bar=false",
+            # matplotlib's import and drawing cost ~2 s a run; test_e2e's wandb test draws the curves
+            "trainer.curves=false",
             # A response-dependent reward, so the random model gets non-zero advantages.
             "reward.fn=rlkit_test_rewards:length",
             "reward.num_workers=1",

@@ -396,6 +396,9 @@ class TrainerConfig:
     """Learner wrapper with several processes: auto (FSDP2 on CUDA, DDP on CPU) | fsdp2 | ddp (FSDP2 runs on CPU over gloo too)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    curves: bool = True
+    """Draw `<run_dir>/curves.png` from metrics.jsonl at the end of the run (rank 0; matplotlib, about 2 s);
+    `scripts/plot_run.py RUN_DIR` draws it later either way."""
     compile: bool = False
     """torch.compile the policy's forward (dynamic shapes; `learner/compiled_graphs` counts the graphs);
     off by default: on the CPU quickstart compiling took 6.5 min and the update ran no faster after it

@@ -80,6 +80,7 @@ class LocalRollouts:
             device="cpu" if t.device == "cpu" else None,
             seed=t.seed,
             colocated=colocated,  # False in an async rollout worker: the GPU is the engine's alone
+            tokenizer=tokenizer,
             # In-flight updates (vLLM only): no forward may still be queued when step() returns (CUDA).
             **({"async_scheduling": False} if t.inflight_updates != "off" else {}),
             **r.engine_kwargs,

@@ -298,6 +298,7 @@ BAD = [
     ("trainer.device", "tpu", ["trainer.device='tpu' is not one of ['auto', 'cpu', 'cuda']"]),
     ("trainer.device", "cuda", ["trainer.device='cuda' but no CUDA device is visible"]),
     ("trainer.progress_bar", "maybe", ["trainer.progress_bar", "maybe"]),
+    ("trainer.curves", "maybe", ["trainer.curves", "maybe"]),
     ("trainer.reuse_update_forward", "maybe", ["trainer.reuse_update_forward", "maybe"]),
     ("trainer.compile", "maybe", ["trainer.compile", "maybe"]),
     (

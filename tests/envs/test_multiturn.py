@@ -1,9 +1,11 @@
 # ruff: noqa: F811  (the `tiny` fixture is imported from run_helpers and requested by name)
 """Multi-turn episodes end to end on the tiny model: observation tokens never trained, exact resume,
-environment errors and timeouts counted, 2 processes == 1 process."""
+environment errors and timeouts counted, 2 processes (launched from another folder) == 1 process."""
 
 import pytest
 from run_helpers import REPO_ROOT, launch, overrides, read_jsonl, tiny, train  # noqa: F401
+
+from rlkit.rundir import latest_checkpoint
 
 MULTI = [
     "env.name=rlkit_test_envs:Chatty",
@@ -113,19 +115,31 @@ def test_a_misbehaving_environment_never_ends_the_run(tiny, tmp_path, how):
     assert multiprocessing.active_children() == []
 
 
-def test_multi_turn_two_processes_give_the_same_metrics_as_one(tiny, tmp_path):
-    common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *MULTI)
+def test_launch_line_from_repo_root_and_two_processes_from_another_folder_give_the_same_multi_turn_metrics(
+    tiny, tmp_path
+):
+    """`python -m rlkit.train +recipe=quickstart_1digit ...` from the repo root (1 process) and from another folder
+    (2 gloo processes) give the same metrics on the same global batch, with multi-turn episodes (observation
+    tokens masked, the environment's rewards) and REINFORCE++, whose advantages are whitened over the global
+    batch's tokens (not over each rank's rows), so the trainer's cross-rank sum is checked too; GRPO's per-group
+    advantages need no collective (its 2-process runs are compared in test_dynamic, test_distill, test_async and
+    test_multinode). One pair of launches for both (a pair costs over a minute)."""
+    common = overrides(tiny, "X", "rollout.seed_per_prompt=true", "algo.adv_estimator=reinforce_pp", *MULTI)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     runs = {}
-    for name, extra in (("one", []), ("two", ["trainer.num_processes=2"])):
+    for name, cwd, extra in (("one", REPO_ROOT, []), ("two", elsewhere, ["trainer.num_processes=2"])):
         args = [
             o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={tmp_path / name}" for o in common
         ]
-        launch(REPO_ROOT, *args, *extra)
-        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[1:]
-    keys = ["reward/mean", "reward/std", "response_length/mean", "loss/total", "grad_norm", "mismatch/kl"]
-    keys += ["env/turns", "reward/env"]
-    assert len(runs["one"]) == len(runs["two"]) == 2
-    for a, b in zip(runs["one"], runs["two"]):
+        launch(cwd, *args, *extra)
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")
+    assert len(runs["one"]) == len(runs["two"]) == 3  # the step-0 baseline eval, then 2 steps
+    assert runs["two"][0]["eval/pass@1"] == pytest.approx(runs["one"][0]["eval/pass@1"])
+    keys = ["reward/mean", "reward/std", "accuracy", "response_length/mean", "loss/total", "grad_norm"]
+    keys += ["mismatch/kl", "rollout/entropy", "env/turns", "reward/env"]
+    for a, b in zip(runs["one"][1:], runs["two"][1:]):
         assert a["env/turns"] > 1.5
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    assert latest_checkpoint(tmp_path / "two").name == "step_2"

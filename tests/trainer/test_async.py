@@ -6,7 +6,8 @@ equals sync, staleness 1 trains batches exactly one version old, the learner's g
 equals a hand-built decoupled-PPO reference, exact resume after SIGTERM, a checkpoint resumed with a
 smaller staleness drops and counts the over-age batches, a dead worker is a loud error (by number and
 exit code, also when the weight broadcast meets it first; with its traceback when it failed), a crafted
-pending-batches file is refused on resume without running it, and 2 learner processes equal 1.
+pending-batches file is refused on resume without running it. (2 learner processes and 2 rollout workers
+equal 1 and 1: tests/trainer/test_distill.py, with distillation.)
 """
 
 import copy
@@ -242,28 +243,6 @@ def test_a_dead_rollout_worker_is_a_loud_error(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(Learner, "update", update_then_kill)
     with pytest.raises(RuntimeError, match="rollout worker 0 exited with code -9"):
         train(tiny, tmp_path / "k", "trainer.steps=3", *ASYNC)
-
-
-def test_two_learner_processes_and_two_rollout_workers_equal_one_and_one(tiny, tmp_path):
-    """The launcher's 2 gloo learner ranks (batch scattered by rank 0) and 2 rollout workers (their own
-    gloo world, shares merged in rank order) give the metrics of 1 learner + 1 worker."""
-    from run_helpers import launch
-
-    from rlkit.config.schema import REPO_ROOT
-
-    runs = {}
-    for name, extra in {"one": [], "two": ["trainer.num_processes=2", "trainer.rollout_gpus=2"]}.items():
-        run_dir = tmp_path / name
-        common = overrides(tiny, run_dir, "rollout.seed_per_prompt=true", "trainer.max_staleness=1", *ASYNC)
-        launch(REPO_ROOT, *common, *extra)
-        runs[name] = read_jsonl(run_dir / "metrics.jsonl")
-    one, two = runs["one"], runs["two"]
-    assert len(one) == len(two) == 3  # the baseline eval, then 2 steps
-    assert two[0]["eval/pass@1"] == pytest.approx(one[0]["eval/pass@1"])
-    for a, b in zip(one[1:], two[1:]):
-        _close(a, b, COMPARED + ["accuracy", "reward/std", "staleness/max", "rollout_is/mean"])
-    assert [m["staleness/max"] for m in two[1:]] == [0, 1]
-    assert latest_checkpoint(tmp_path / "two").name == "step_2"
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
 """On-policy distillation end to end on CPU (tiny random models sharing SmolLM2's tokenizer): the advantages
 the learner trains on equal a hand computation with plain transformers; a teacher equal to the student
-leaves the weights unchanged; 2 processes with micro-batches equal 1 process; exact resume; async equals
-sync; a tokenizer mismatch is refused before any model loads."""
+leaves the weights unchanged; 2 async learner processes with micro-batches and 2 rollout workers equal 1
+and 1; exact resume; async equals sync; a tokenizer mismatch is refused before any model loads."""
 
 import pytest
 import torch
-from run_helpers import checkpoint_weights, one_and_two_processes, overrides, tiny, train  # noqa: F401
+from run_helpers import checkpoint_weights, one_and_two_processes, overrides, read_jsonl, tiny, train  # noqa: F401
 
 from rlkit.algos import advantages as adv
 from rlkit.config.schema import ConfigError
@@ -123,23 +123,35 @@ def _weights_of(path):
     return out
 
 
-def test_two_processes_with_micro_batches_equal_one_process(tiny, teacher, tmp_path):  # noqa: F811
-    """The distillation step's gradient is the full batch's: 1 process, one micro-batch, against 2 gloo
-    processes under FSDP2 (the teacher sharded like the policy) each splitting its rows into micro-batches of
-    at most 64 tokens (metrics and weights)."""
-    common = overrides(tiny, "X", "rollout.seed_per_prompt=true", *_distill(teacher), "trainer.save_every=2")
+def test_two_async_learners_with_micro_batches_and_two_workers_equal_one_and_one(tiny, teacher, tmp_path):  # noqa: F811
+    """Two features' 2-process checks share one pair of launches (a pair costs over a minute):
+    - distillation: the step's gradient is the full batch's, 1 process with one micro-batch against 2 gloo
+      processes under FSDP2 (the teacher sharded like the policy) each splitting its rows into micro-batches of
+      at most 64 tokens (metrics and weights);
+    - async (trainer.max_staleness=1): the launcher's 2 gloo learner ranks (batch scattered by rank 0) and 2
+      rollout workers (their own gloo world, shares merged in rank order) give the metrics of 1 learner + 1
+      worker, the second batch one version old in both."""
+    async_ = ("trainer.mode=async", "trainer.max_staleness=1")
+    common = overrides(
+        tiny, "X", "rollout.seed_per_prompt=true", *_distill(teacher), "trainer.save_every=2", *async_
+    )
     keys = ("reward/mean", "distill/reverse_kl", "distill/teacher_logprob", "loss/total", "grad_norm")
+    keys += ("mismatch/kl", "rollout/entropy", "response_length/mean", "accuracy", "reward/std")
+    keys += ("staleness/max", "rollout_is/mean")
     extra = {
         1: ["trainer.max_tokens_per_microbatch=4096"],
-        2: ["trainer.max_tokens_per_microbatch=64", "trainer.strategy=fsdp2"],
+        2: ["trainer.max_tokens_per_microbatch=64", "trainer.strategy=fsdp2", "trainer.rollout_gpus=2"],
     }
     runs = one_and_two_processes(tmp_path, common, keys, extra)
+    one, two = (read_jsonl(runs[n] / "metrics.jsonl") for n in (1, 2))
+    assert two[0]["eval/pass@1"] == pytest.approx(one[0]["eval/pass@1"])  # the baseline eval
+    assert [m["staleness/max"] for m in two[1:]] == [0, 1]
     w1, w2 = (
         checkpoint_weights(runs[1] / "checkpoints/step_2"),
         checkpoint_weights(runs[2] / "checkpoints/step_2"),
     )
-    for k in w1:
-        # Adam's per-element normalisation: see test_e2e.test_lora_under_fsdp2_with_two_processes_equals_one
+    for k in w1:  # (2 FSDP2 ranks also save a tied lm_head.weight that 1 process leaves out)
+        # Adam's per-element normalisation: see test_dynamic.test_refill_and_lora_under_fsdp2_two_processes_equal_one
         torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=5e-4)
 
 

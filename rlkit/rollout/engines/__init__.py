@@ -94,9 +94,13 @@ def make_engine(
     device: str | torch.device | None = None,
     seed: int = 0,
     colocated: bool = True,
+    tokenizer=None,
     **engine_kwargs,
 ) -> RolloutEngine:
     """Build the rollout engine `engine` ("auto", "hf" or "vllm") for `model_path`.
+
+    `tokenizer`: the run's (rlkit.models.load_tokenizer of `model_path`), which the HF engine then uses instead of
+    loading it again (about a second); vLLM tokenizes with its own.
 
     `device` is the HF engine's device (default: this rank's GPU when there is one, else CPU);
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
@@ -111,7 +115,7 @@ def make_engine(
         return cls(model_path, dtype=dtype, seed=seed, colocated=colocated, **engine_kwargs)
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    return cls(model_path, dtype=dtype, device=device, seed=seed, **engine_kwargs)
+    return cls(model_path, tokenizer, dtype=dtype, device=device, seed=seed, **engine_kwargs)
 
 
 def check_config(cfg) -> None:
