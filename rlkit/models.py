@@ -178,7 +178,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
 
 
 def load_value_model(path: str):
-    """The PPO critic (algo.value_model): backbone + Linear(hidden, 1) head: transformers' token-classification model with one label."""
+    """The PPO critic (algo.value_model): backbone + Linear(hidden, 1) head, transformers' token-classification
+    model with one label."""
     from transformers import AutoModelForTokenClassification
 
     resolved, gguf_file = resolve_model(path)

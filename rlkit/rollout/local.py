@@ -136,7 +136,6 @@ class LocalRollouts:
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)
-            stats = dict(stats)
             # (an engine without prompt log-probs, HF, is checked tensor for tensor: its digests are exact)
             probed = export.probe is not None and hasattr(self.engine, "prompt_logprobs")
             if probed and (probe_now or not self.cfg.rollout.return_logprobs):

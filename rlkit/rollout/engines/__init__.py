@@ -100,7 +100,8 @@ def make_engine(
     """Build the rollout engine `engine` ("auto", "hf" or "vllm") for `model_path`.
 
     `tokenizer`: the run's (rlkit.models.load_tokenizer of `model_path`), which the HF engine then uses instead of
-    loading it again (about a second); vLLM tokenizes with its own.
+    loading it again (about a second). The vLLM engine still loads its own: vLLM's `tokenizer` keyword, which
+    `engine_kwargs` may set, is a path, so it is not handed over under that name.
 
     `device` is the HF engine's device (default: this rank's GPU when there is one, else CPU);
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
