@@ -182,12 +182,13 @@ def main() -> None:
         help="model.compute_dtype (default: null)",
     )
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="trainer.compile: the policy's forward compiled")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the reference model and KL loss")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixed-length", action="store_true", help="every response --response-len tokens")
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N",
-        help="torch.profiler over the timed updates: print the N ops with the most self CPU time",
+        help="torch.profiler over the timed updates: the N ops with the most self CPU (and, on CUDA, device) time",
     )  # fmt: skip
     args = ap.parse_args()
 
@@ -203,6 +204,7 @@ def main() -> None:
         cfg = RLConfig()
         cfg.model.path, cfg.model.dtype, cfg.model.compute_dtype = tmp, args.dtype, args.compute_dtype
         cfg.model.gradient_checkpointing = args.gradient_checkpointing
+        cfg.trainer.compile = args.compile
         cfg.trainer.lr, cfg.trainer.seed = 1e-6, args.seed
         cfg.trainer.max_tokens_per_microbatch = args.tokens or args.max_tokens
         cfg.trainer.logprob_chunk_tokens = 0 if args.unchunked else args.chunk
@@ -249,6 +251,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     if args.profile and acc.is_main_process:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
+        if cuda:  # where the GPU's own time goes (the table above is the host's: launches, syncs, Python)
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.profile))
     if cuda:
         added = torch.cuda.max_memory_allocated() - base
         peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB CUDA max_memory_allocated (rank 0)"
@@ -274,6 +278,8 @@ def main() -> None:
             "tokens_per_s": round(tokens * args.updates / seconds, 1),
             "seconds_per_update": round(seconds / args.updates, 3),
         }
+        if args.compile:  # the warm-up update compiled; none should compile during the timed ones
+            out["compiled_graphs"] = int(metrics["learner/compiled_graphs"])
         print(json.dumps(out))
         return
     if acc.is_main_process:
