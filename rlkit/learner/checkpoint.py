@@ -40,7 +40,12 @@ def save(learner, directory: str | Path) -> None:
             _save_lora(learner, directory)
             continue
         state_dict = acc.get_state_dict(model)  # full weights, gathered on the main process
-        acc.unwrap_model(model).save_pretrained(
+        unwrapped = acc.unwrap_model(model)
+        # FSDP2's gathered state dict gives a tied head its own copy, which save_pretrained (deduplicating by
+        # storage) would write twice; saved once under its first name it reloads tied, as in one process.
+        for alias in {a for names in tied_aliases(unwrapped).values() for a in names}:
+            state_dict.pop(alias, None)
+        unwrapped.save_pretrained(
             directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
         )
     with _tied_heads_expected(acc.unwrap_model(learner.model)):
