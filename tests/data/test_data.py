@@ -238,3 +238,26 @@ def test_unreadable_csv_names_the_file(tmp_path):
     f.write_text("")
     with pytest.raises(DataError, match=rf"could not read data.path='{f}'"):
         load_splits(DataConfig(path=str(f), eval_size=0))
+
+
+def test_the_longest_vocabulary_entry_is_measured_once_per_vocabulary():
+    """Every generation call asks for the longest entry (the observation bound): the vocabulary is built once
+    per tokenizer, and again only when the tokenizer's size changed (tokens added since)."""
+    from rlkit.data.prompts import max_token_chars
+
+    class Vocab:
+        def __init__(self):
+            self.entries, self.built = {"a": 0, "abcd": 1}, 0
+
+        def get_vocab(self):
+            self.built += 1
+            return dict(self.entries)
+
+        def __len__(self):
+            return len(self.entries)
+
+    tok = Vocab()
+    assert [max_token_chars(tok) for _ in range(3)] == [4, 4, 4] and tok.built == 1
+    tok.entries["<|a_long_added_token|>"] = 2
+    assert max_token_chars(tok) == 22 and tok.built == 2
+    assert max_token_chars(Vocab()) == 4  # another tokenizer is measured for itself

@@ -1,5 +1,6 @@
 """The FLOP count (rlkit/flops.py) against a hand count on a tiny config."""
 
+import datetime
 import json
 import logging
 import math
@@ -8,9 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlkit import flops
 from rlkit.flops import MEASURED, DevicePeak, ModelShape, cached_cpu_peak, measured_cpu_peak, sequence_flops
 
 
@@ -102,4 +105,28 @@ def test_cached_peak_keeps_the_best_figure_with_its_date(tmp_path):
     path.write_text(json.dumps(table))
     flops, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
     assert flops == 1e18 and "2026-01-02" in source and source.startswith(MEASURED)
-    assert json.loads(path.read_text()) == table  # a lower fresh figure leaves the cache as it was
+    # A lower fresh figure leaves the stored one as it was, only marked as checked today.
+    assert json.loads(path.read_text()) == {
+        k: {**v, "checked": datetime.date.today().isoformat()} for k, v in table.items()
+    }
+
+
+def test_cached_peak_is_measured_once_a_day(tmp_path, monkeypatch):
+    """The first run of the day measures (~0.8 s of its start); later runs that day take the stored figure."""
+    path = tmp_path / "peak.json"
+    first, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    assert "now" in source
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured again on the day it was checked")
+
+    monkeypatch.setattr(flops, "measured_cpu_peak", must_not_measure)
+    again, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    assert again == first and source.startswith(MEASURED) and str(path) in source
+    # An entry checked on an earlier day is measured again.
+    table = json.loads(path.read_text())
+    (entry,) = table.values()
+    entry["checked"] = "2026-01-02"
+    path.write_text(json.dumps(table))
+    with pytest.raises(AssertionError, match="measured again"):
+        cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)

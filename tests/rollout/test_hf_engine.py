@@ -5,7 +5,7 @@ import torch
 
 from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint
 from rlkit.rollout.engines.base import Sampling
-from rlkit.rollout.engines.hf import HFEngine
+from rlkit.rollout.engines.hf import HFEngine, sample_rows
 
 EOS = 2  # SmolLM2's <|im_end|>, also its pad token
 
@@ -92,6 +92,26 @@ def test_top_k_top_p_logprobs_are_the_renormalised_truncated_distribution(engine
             assert tok in kept_ids, "sampled a token outside the truncated set"
             expected = torch.log(kept_p[keep[kept_ids.index(tok)]] / kept_p[keep].sum())
             assert abs(float(batch.rollout_logprobs[i, t]) - float(expected)) < 1e-4
+
+
+def test_sampling_draws_each_token_at_its_probability_and_never_a_zero_one():
+    """The engine's draw (inverse transform on the row's cumulative sum) against the probabilities themselves:
+    200,000 draws of two rows (one with entries cut to zero, as top-k leaves them, at both ends and inside)
+    give every token within 5 binomial standard deviations of its probability, and no zero-probability token."""
+    probs = torch.tensor(
+        [[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]], dtype=torch.float32
+    )
+    n = 100_000
+    draws = sample_rows(probs.repeat_interleave(n, 0), torch.Generator().manual_seed(0)).view(2, n)
+    for row, want in zip(draws, probs):
+        counts = torch.bincount(row, minlength=probs.shape[1]).double()
+        assert counts[want == 0].sum() == 0
+        sigma = (n * want * (1 - want)).double().sqrt()
+        assert ((counts - n * want.double()).abs() <= 5 * sigma + 1e-9).all(), (counts / n, want)
+    # Reproducible from the generator's seed, and different for another seed.
+    a = sample_rows(probs.repeat(50, 1), torch.Generator().manual_seed(1))
+    assert torch.equal(a, sample_rows(probs.repeat(50, 1), torch.Generator().manual_seed(1)))
+    assert not torch.equal(a, sample_rows(probs.repeat(50, 1), torch.Generator().manual_seed(2)))
 
 
 def test_greedy_is_deterministic_and_is_the_argmax(engine, tiny_model, prompts):
