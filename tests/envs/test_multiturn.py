@@ -83,6 +83,9 @@ def test_environment_errors_and_timeouts_are_counted_and_score_zero(tiny, tmp_pa
         "env.name=rlkit_test_envs:Flaky",
         "env.timeout_s=0.5",
         "trainer.eval_at_start=false",
+        # 32 episodes, each about a third likely to fail, hang or end normally: all three happen but for
+        # odds of ~(2/3)^32 = 2e-6 each
+        "trainer.train_batch_size=32",
     )
     assert m["env/errors"] > 0 and m["env/timeouts"] > 0 and m["env/errors"] >= m["env/timeouts"]
     assert m["reward/errors"] == 0  # environment failures are not reward failures

@@ -158,3 +158,15 @@ def test_make_engine_hands_the_colocation_to_the_vllm_engine(fake_llm, fake_cuda
     # On this (CPU) platform vLLM has no sleep mode; the share is what the plan gives each.
     assert [b["gpu_memory_utilization"] for b in fake_llm.built] == [0.92, 0.3]
     assert [b["enable_sleep_mode"] for b in fake_llm.built] == [False, False]
+
+
+def test_make_engine_hands_the_run_tokenizer_to_the_vllm_engine(fake_llm, fake_cuda, ckpt):
+    """The run's tokenizer is used, not loaded a second time (vLLM's own `tokenizer` keyword stays the path)."""
+    from rlkit.models import load_tokenizer
+
+    tok = load_tokenizer(ckpt)
+    handed = make_engine("vllm", ckpt, dtype="float32", kv_cache_gib=0.25, tokenizer=tok)
+    loaded = make_engine("vllm", ckpt, dtype="float32", kv_cache_gib=0.25)
+    assert handed.tokenizer is tok and loaded.tokenizer is not tok
+    assert loaded.tokenizer.get_vocab() == tok.get_vocab()
+    assert [b["tokenizer"] for b in fake_llm.built] == [b["model"] for b in fake_llm.built]

@@ -99,9 +99,9 @@ def make_engine(
 ) -> RolloutEngine:
     """Build the rollout engine `engine` ("auto", "hf" or "vllm") for `model_path`.
 
-    `tokenizer`: the run's (rlkit.models.load_tokenizer of `model_path`), which the HF engine then uses instead of
-    loading it again (about a second). The vLLM engine still loads its own: vLLM's `tokenizer` keyword, which
-    `engine_kwargs` may set, is a path, so it is not handed over under that name.
+    `tokenizer`: the run's (rlkit.models.load_tokenizer of `model_path`), which the engine then uses instead of
+    loading it again (about a second); the vLLM engine takes it as `run_tokenizer`, since vLLM's own
+    `tokenizer` keyword, which `engine_kwargs` may set, is a path (vLLM still loads its copy from it).
 
     `device` is the HF engine's device (default: this rank's GPU when there is one, else CPU);
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
@@ -113,7 +113,9 @@ def make_engine(
     dtype = torch_dtype(dtype)
     cls = ENGINES[engine]()
     if engine == "vllm":
-        return cls(model_path, dtype=dtype, seed=seed, colocated=colocated, **engine_kwargs)
+        return cls(
+            model_path, dtype=dtype, seed=seed, colocated=colocated, run_tokenizer=tokenizer, **engine_kwargs
+        )
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     return cls(model_path, tokenizer, dtype=dtype, device=device, seed=seed, **engine_kwargs)
@@ -173,7 +175,7 @@ def own_keywords() -> dict[str, object]:
         k: hints.get(k, typing.Any)
         for k, p in params.items()
         if p.kind is p.KEYWORD_ONLY
-        and k not in ("dtype", "seed", "colocated")  # colocated: rlkit's own choice
+        and k not in ("dtype", "seed", "colocated", "run_tokenizer")  # colocated, run_tokenizer: rlkit's own
     }
 
 

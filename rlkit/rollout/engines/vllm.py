@@ -115,7 +115,8 @@ class VLLMEngine:
     compilation costs ~80 s at start-up, False on CUDA), `max_model_len` (None = the model's),
     `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (1:
     offload weights and drop the KV cache; 2: drop both, weights must be pushed before the next
-    generate, which the trainer does after every update anyway), and any other `vllm.LLM` keyword.
+    generate, which the trainer does after every update anyway), `run_tokenizer` (the run's tokenizer of
+    `model_path`, already loaded: not loaded a second time), and any other `vllm.LLM` keyword.
 
     Seeded sampling: vLLM gives every seeded request its own generator and, when it splits a
     prefill into chunks, rewinds that generator's offset, which a CPU generator cannot do
@@ -140,6 +141,7 @@ class VLLMEngine:
         max_num_batched_tokens: int = 4096,
         enable_prefix_caching: bool = True,
         colocated: bool = True,
+        run_tokenizer=None,
         **llm_kwargs,
     ):
         from transformers import AutoModelForCausalLM
@@ -196,7 +198,8 @@ class VLLMEngine:
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
             directory, gguf_file = resolve_model(model_path)
-            self.tokenizer = load_tokenizer(model_path)
+            # rlkit's copy (pad id, decoding); vLLM loads its own inside the LLM from the same directory.
+            self.tokenizer = run_tokenizer if run_tokenizer is not None else load_tokenizer(model_path)
             self.pad_id = self.tokenizer.pad_token_id
             self.rank, _ = launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
