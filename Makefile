@@ -90,7 +90,7 @@ docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir .site
 
 test: install-test lint docs
-	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 $(ARGS)
+	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 $(ARGS)
 
 # The fast tier: no trainer runs, no vLLM engine, no second process (tests marked `slow`: tests/conftest.py).
 test-fast: install-test

@@ -32,8 +32,9 @@ SLOW = (
 
 
 # The heaviest modules, run first: `make test` hands whole modules to its 2 workers in collection order
-# (pytest-xdist's --dist loadfile), so a long module collected last runs alone at the end while the other worker
-# idles; longest first, the workers end together. Each module's seconds in a clean-clone CI run on 2 cores
+# (pytest-xdist's --dist loadfile with --no-loadscope-reorder; by default xdist puts the modules with the most
+# tests first, which left the long trainer and vLLM modules, of few tests each, running alone at the end while
+# the other worker idled); longest first, the workers end together. Each module's seconds in a clean-clone CI run on 2 cores
 # (2026-11-27, from --durations), longest first.
 HEAVIEST = (
     "rollout/test_vllm_train.py",  # 346
