@@ -34,8 +34,8 @@ SLOW = (
 # The heaviest modules, run first: `make test` hands whole modules to its 2 workers in collection order
 # (pytest-xdist's --dist loadfile with --no-loadscope-reorder; by default xdist puts the modules with the most
 # tests first, which left the long trainer and vLLM modules, of few tests each, running alone at the end while
-# the other worker idled); longest first, the workers end together. Each module's seconds in a clean-clone CI run on 2 cores
-# (2026-11-27, from --durations), longest first.
+# the other worker idled); longest first, the workers end together. Each module's seconds in a clean-clone CI
+# run on 2 cores (2026-11-27, from --durations), longest first.
 HEAVIEST = (
     "rollout/test_vllm_train.py",  # 346
     "trainer/test_distill.py",  # 203
@@ -58,13 +58,15 @@ def pytest_collection_modifyitems(config, items):
     import pytest
     import torch
 
+    module = {id(item): Path(item.fspath).relative_to(HERE).as_posix() for item in items}
+
     def rank(item) -> int:  # a stable sort: the order within a module and among the others is kept
-        path = Path(item.fspath).relative_to(HERE).as_posix()
+        path = module[id(item)]
         return HEAVIEST.index(path) if path in HEAVIEST else len(HEAVIEST)
 
     items.sort(key=rank)
     for item in items:
-        if Path(item.fspath).relative_to(HERE).as_posix().startswith(SLOW):
+        if module[id(item)].startswith(SLOW):
             item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return

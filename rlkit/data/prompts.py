@@ -78,15 +78,14 @@ def max_token_chars(tokenizer) -> int | None:
     if get_vocab is None:
         return None
     try:  # the vocabulary's size tells a tokenizer that gained tokens since; without one, measure each time
-        key = (tokenizer, len(tokenizer))
-        known = _LONGEST_ENTRY.get(tokenizer)
+        size, known = len(tokenizer), _LONGEST_ENTRY.get(tokenizer)
     except TypeError:  # no len(), or not weakly referenceable
-        key = known = None
-    if known is not None and known[0] == key[1]:
+        size = known = None
+    if known is not None and known[0] == size:
         return known[1]
     longest = max(max((len(t) for t in get_vocab()), default=1), 1)
-    if key is not None:
-        _LONGEST_ENTRY[tokenizer] = (key[1], longest)
+    if size is not None:
+        _LONGEST_ENTRY[tokenizer] = (size, longest)
     return longest
 
 

@@ -43,7 +43,7 @@ def save(learner, directory: str | Path) -> None:
         unwrapped = acc.unwrap_model(model)
         # FSDP2's gathered state dict gives a tied head its own copy, which save_pretrained (deduplicating by
         # storage) would write twice; saved once under its first name it reloads tied, as in one process.
-        for alias in {a for names in tied_aliases(unwrapped).values() for a in names}:
+        for alias in _alias_names(unwrapped):
             state_dict.pop(alias, None)
         unwrapped.save_pretrained(
             directory / name, state_dict=state_dict, is_main_process=acc.is_main_process
@@ -75,10 +75,14 @@ class _TiedFilter(logging.Filter):
         return not (names and set(names) <= self.aliases)
 
 
+def _alias_names(model) -> set[str]:
+    """Every name of a tied parameter other than its first (e.g. a tied `lm_head.weight`)."""
+    return {a for names in tied_aliases(model).values() for a in names}
+
+
 @contextlib.contextmanager
 def _tied_heads_expected(model):
-    aliases = {a for names in tied_aliases(model).values() for a in names}
-    f = _TiedFilter(aliases)
+    f = _TiedFilter(_alias_names(model))
     logger = logging.getLogger("accelerate.utils.other")
     logger.addFilter(f)
     try:

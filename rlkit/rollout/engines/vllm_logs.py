@@ -120,9 +120,9 @@ class _BuildFilter(logging.Filter):
 def quiet_build_logs():
     """Inside the block (or the call, as a decorator), vLLM's expected start-up notices (`BUILD_NOTICES`) are
     kept back, and so are the deprecation warnings of vLLM's own modules (vLLM 0.32's import calls torch APIs
-    that torch 2.13 deprecates: nothing a user can act on); yields {why: count}. Every other warning and every error still reaches the
-    user. (One notice stays: the CPU worker's "NUMA binding" line, which torch's C++ logger writes to stderr
-    itself, out of reach of Python's logging.)"""
+    that torch 2.13 deprecates: nothing a user can act on); yields {why: count}. Every other warning and every
+    error still reaches the user. (One notice stays: the CPU worker's "NUMA binding" line, which torch's C++
+    logger writes to stderr itself, out of reach of Python's logging.)"""
     # vLLM's INFO lines (its configuration, each load and cache size: ~20 a build) are for debugging vLLM:
     # WARNING and up unless the user set VLLM_LOGGING_LEVEL (read once, at vLLM's first import).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
