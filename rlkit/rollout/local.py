@@ -136,19 +136,23 @@ class LocalRollouts:
         if self.cfg.rollout.verify_push:
             start = time.perf_counter()
             self.digests = verify_push(export, self.engine, self.digests)
-            # (an engine without prompt log-probs, HF, is checked tensor for tensor: its digests are exact)
-            probed = export.probe is not None and hasattr(self.engine, "prompt_logprobs")
-            if probed and (probe_now or not self.cfg.rollout.return_logprobs):
-                stats["probe_gap"] = self.probe(export, when=f"after the push of version {version}")
-            elif probed:
-                stats["probe_bound"] = probe_bound(export.probe_dtype, self.engine.weight_dtype)
+            if self._probed(export):
+                if probe_now or not self.cfg.rollout.return_logprobs:
+                    stats["probe_gap"] = self.probe(export, when=f"after the push of version {version}")
+                else:
+                    stats["probe_bound"] = probe_bound(export.probe_dtype, self.engine.weight_dtype)
             stats["verify_seconds"] = time.perf_counter() - start
         return stats
 
+    def _probed(self, export: Export) -> bool:
+        """Whether this engine's weights are probed: the learner exports a probe and the engine has prompt
+        log-probs (the HF engine has none: it is checked tensor for tensor, its digests are exact)."""
+        return export.probe is not None and hasattr(self.engine, "prompt_logprobs")
+
     def probe(self, export: Export, *, when: str, at_load: bool = False) -> float | None:
         """The log-prob probe of this engine against the learner's (`export.probe`, a collective on every learner
-        rank): `check_engine_probe`."""
-        if export.probe is None:
+        rank): `check_engine_probe`; None (and no learner forward) where the engine is not probed."""
+        if not self._probed(export):
             return None
         tokens = probe_tokens()
         return check_engine_probe(

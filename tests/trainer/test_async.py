@@ -37,15 +37,23 @@ def _close(a, b, keys):
         assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
 
 
-def test_staleness_zero_equals_sync_and_every_push_reaches_the_worker(tiny, tmp_path):
+def test_staleness_zero_equals_sync_and_every_push_reaches_the_worker(tiny, tmp_path, monkeypatch):
     """max_staleness=0 is the sync schedule: same seeds, same metrics (sync with the IS correction that
     async turns on by default). lr 0.05 moves the policy a lot, so mismatch ~0 at every step (batch
     version == learner version) proves each push reached the worker's engine; the run's own weight-sync
-    check also ran at step 1."""
+    check also ran at step 1. The HF engine has no log-prob probe (its pushes are checked tensor for
+    tensor), so the learner computes none, at start-up (sync) or for the worker's pushes (async);
+    tests/trainer/test_async_inflight.py: it does for vLLM."""
+    from rlkit.rollout import local
+    from rlkit.rollout.remote import client
+
+    probes = []
+    for module in (local, client):
+        monkeypatch.setattr(module, "probe_tokens", lambda: probes.append(1))
     common = ("trainer.lr=0.05", "trainer.steps=3", "rollout.weight_sync_kl_threshold=1e-4")
     sync = train(tiny, tmp_path / "sync", *common, "algo.rollout_is.enabled=true")
     asyn = train(tiny, tmp_path / "async", *common, "trainer.mode=async", "trainer.max_staleness=0")
-    assert len(sync) == len(asyn) == 3
+    assert len(sync) == len(asyn) == 3 and probes == []
     for s, a in zip(sync, asyn):
         _close(s, a, COMPARED + ["rollout_is/mean"])
         assert a["staleness/max"] == 0 and a["staleness/dropped"] == 0

@@ -45,6 +45,11 @@ def test_inflight_recompute_run_has_mixed_rows_within_the_staleness_bound(tiny12
     flags = tmp_path / "flags"
     flags.mkdir()
     batches, real_produce, real_send, sends = [], AsyncRollouts.produce, client.send_weights, []
+    real_probe_tokens, probes = client.probe_tokens, []
+
+    def spy_probe_tokens():
+        probes.append(1)
+        return real_probe_tokens()
 
     def spy_produce(self, step, timers):
         sb = real_produce(self, step, timers)
@@ -61,11 +66,13 @@ def test_inflight_recompute_run_has_mixed_rows_within_the_staleness_bound(tiny12
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(AsyncRollouts, "produce", spy_produce)
         mp.setattr(client, "send_weights", spy_send)
+        mp.setattr(client, "probe_tokens", spy_probe_tokens)
         hist = train(
             tiny128, tmp_path / "run", *INFLIGHT, "trainer.steps=2", "env.name=rlkit_test_envs:Gated",
             f"+env.kwargs.flags={flags}",
         )  # fmt: skip
     assert len(hist) == len(batches) == 2
+    assert len(probes) == len(sends) > 1  # the learner's side of the vLLM worker's probe, at every push
     mixed_rows = 0
     for (step, oldest, versions, mask), metrics in zip(batches, hist):
         model = versions != NO_VERSION

@@ -93,7 +93,10 @@ class AsyncRollouts:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.is_main = rank == 0
         self.R = t.rollout_gpus
-        self.engine_name = f"{cfg.rollout.engine}, in {self.R} rollout worker process(es)"
+        # The workers' engine (each resolves `auto` the same way on this machine): only vLLM checks a push's
+        # log-prob probe; the HF engine is checked tensor for tensor, so the learner computes no probe for it.
+        self.engine = resolve_engine(cfg.rollout.engine, cfg.model.path)
+        self.engine_name = f"{self.engine}, in {self.R} rollout worker process(es)"
         self.dtype = torch_dtype(cfg.model.dtype)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.schedule = Schedule(t.max_staleness, t.steps)
@@ -311,7 +314,7 @@ class AsyncRollouts:
             raise
         # The learner's side of the log-prob probe (every rank: FSDP2 gathers), checked by each worker
         probe = None
-        if self.cfg.rollout.verify_push and export.probe is not None:
+        if self.cfg.rollout.verify_push and export.probe is not None and self.engine == "vllm":
             probe = export.probe(probe_tokens())
         if digests is not None:  # each worker checks its engine against what was sent
             dtype = str(export.probe_dtype).removeprefix("torch.")
