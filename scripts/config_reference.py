@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlkit.config.schema import field_docs
+from rlkit.config.reference import field_docs
 from rlkit.train import compose
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ The documentation's config reference (docs/reference/config.md, with each recipe
 scripts/config_reference.py instead.
 """
 
-from rlkit.config.schema import field_docs
+from rlkit.config.reference import field_docs
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from rlkit.config.schema import field_docs
+from rlkit.config.reference import field_docs
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rlkit.config.schema import field_docs
+from rlkit.config.reference import field_docs
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
