@@ -1,4 +1,5 @@
-"""scripts/bench.py: its arithmetic, and one --compare-trl run end to end on a tiny model."""
+"""scripts/bench.py: its arithmetic (scripts/bench_report.py), and one --compare-trl run end to end on a tiny
+model."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+spec = importlib.util.spec_from_file_location("bench_report", REPO / "scripts" / "bench_report.py")
+bench_report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_report)
 
 
 def result(points):
@@ -22,20 +23,20 @@ def result(points):
 
 def test_step_seconds_median_and_mean_after_warmup():
     res = result([(10.0, 0.0), (13.0, 0.0), (17.0, 0.0), (19.0, 0.0)])
-    assert bench.step_seconds(res) == [10.0, 3.0, 4.0, 2.0]
-    assert bench.median([10.0, 3.0, 4.0, 2.0]) == 3.5
-    assert bench.mean_after_first([10.0, 3.0, 4.0, 2.0]) == 3.0  # (3 + 4 + 2) / 3, warm-up left out
+    assert bench_report.step_seconds(res) == [10.0, 3.0, 4.0, 2.0]
+    assert bench_report.median([10.0, 3.0, 4.0, 2.0]) == 3.5
+    assert bench_report.mean_after_first([10.0, 3.0, 4.0, 2.0]) == 3.0  # (3 + 4 + 2) / 3, warm-up left out
 
 
 def test_time_to_reward_uses_a_full_moving_window():
-    assert bench.moving_average([0.0, 0.5, 1.0, 1.0], 2) == [0.25, 0.75, 1.0]
+    assert bench_report.moving_average([0.0, 0.5, 1.0, 1.0], 2) == [0.25, 0.75, 1.0]
     # 2-step moving averages: (0+0.5)/2, (0.5+1)/2 = 0.75 ending at step 3 (t=30), first to reach 0.7.
     res = result([(10, 0.0), (20, 0.5), (30, 1.0), (40, 1.0)])
-    assert bench.time_to_reward(res, 0.7, window=2) == 30
-    assert bench.time_to_reward(res, 1.0, window=2) == 40
-    assert bench.time_to_reward(res, 1.5, window=2) is None
+    assert bench_report.time_to_reward(res, 0.7, window=2) == 30
+    assert bench_report.time_to_reward(res, 1.0, window=2) == 40
+    assert bench_report.time_to_reward(res, 1.5, window=2) is None
     # A single early step never counts as a full window: step 1 alone reaches 0.9 but the window is 2.
-    assert bench.time_to_reward(result([(5, 0.9), (9, 0.0)]), 0.9, window=2) is None
+    assert bench_report.time_to_reward(result([(5, 0.9), (9, 0.0)]), 0.9, window=2) is None
 
 
 def counted(seed, rows):
@@ -48,7 +49,7 @@ def test_throughput_pools_seeds_as_ratios_of_sums_after_warmup():
     # Step 1 of each seed (the huge numbers) is warm-up and left out.
     a = counted(0, [(50, 0, 999, 9, 999, 9), (53, 0, 100, 1.0, 300, 2.0), (57, 0, 100, 3.0, 300, 1.0)])
     b = counted(1, [(40, 0, 999, 9, 999, 9), (42, 0, 200, 1.0, 600, 3.0)])
-    t = bench.throughput([a, b])
+    t = bench_report.throughput([a, b])
     assert t["steps"] == 3
     assert t["mean_step_s"] == pytest.approx((3 + 4 + 2) / 3)
     assert t["gen_tokens_per_step"] == pytest.approx(400 / 3)
@@ -63,14 +64,14 @@ def test_learning_level_is_the_median_of_trl_seeds_and_never_counts_as_late():
     rl = [result([(5, 0.3), (9, 0.5), (12, 0.5)]), result(flat), result(flat)]
     for i, run in enumerate(trl + rl):
         run["seed"] = i % 3
-    table = bench.learning({"rlkit": rl, "trl": trl}, None, 2)
+    table = bench_report.learning({"rlkit": rl, "trl": trl}, None, 2)
     # Best 2-step means of TRL's seeds: 0.4, 0.6, 0.0; their median is 0.4, first reached at the end of
     # step 3 by seeds 0 and 1 (their windows ending at step 2 are (0.2+0.4)/2 and (0+0.6)/2 = 0.3).
     assert table["reward_level"] == pytest.approx(0.4)
     assert table["trl"]["time_to_level_s"] == [30, 30, None] and table["trl"]["median_s"] == 30
     assert table["rlkit"]["time_to_level_s"] == [9, None, None] and table["rlkit"]["reached"] == "1/3"
     assert table["rlkit"]["median_s"] is None and table["ratio_median_time_to_level"] is None
-    assert bench.learning({"rlkit": rl}, 0.5, 2)["rlkit"]["time_to_level_s"] == [12, None, None]
+    assert bench_report.learning({"rlkit": rl}, 0.5, 2)["rlkit"]["time_to_level_s"] == [12, None, None]
 
 
 @pytest.fixture(scope="module")
