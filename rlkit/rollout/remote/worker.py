@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import traceback
 from collections import deque
 
@@ -123,6 +124,12 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, erro
         if rollouts is not None:
             rollouts.close()
         results.cancel_join_thread()  # batches still queued are of no use once this worker stops
+    # Stopped by the learner, everything this worker started closed: end without the interpreter's teardown of
+    # torch and the engine's modules (2-4 s on 2 cores, measured, while the learner waits in its close()).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve(rollouts: LocalRollouts, r: int, pg, ctrl, results, start: dict, device) -> None:
