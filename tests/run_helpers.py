@@ -66,6 +66,17 @@ def train(tiny, run_dir, *extra, reward_extra=None):
     return run(cfg)
 
 
+def run_args(args: list[str]):
+    """`python -m rlkit.train ARGS` in this process, with one thread, as the launched runs (`launch` sets
+    OMP_NUM_THREADS=1), so an in-process run and a launched one sum in the same order: its step metrics."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(load_config(compose(args)))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 

@@ -1,17 +1,20 @@
-"""Training with `rollout.engine=vllm` on a tiny model, end to end: `python -m rlkit.train` passes the
-weight-sync check at step 0 and right after the first push (with a tight threshold), keeps the engine
-and the learner in agreement for 4 steps, resumes exactly (2 steps + resume + 2 == 4 steps), and two
-processes with an engine each give the metrics of one. Each run is its own process, as for a user."""
+"""Training with `rollout.engine=vllm` on a tiny model, end to end: a run passes the weight-sync check at step 0
+and right after the first push (with a tight threshold), keeps the engine and the learner in agreement for 4
+steps, resumes exactly (2 steps + resume + 2 == 4 steps), and two processes with an engine each give the metrics
+of one. The runs of more than one process (2 learner ranks; async, whose rollout worker is a process of its own)
+are `python -m rlkit.train` launches as for a user; the one-process runs run in the test's process (vLLM is
+imported there already: a launch costs ~20 s of imports on 2 cores), with one thread as the launched ones."""
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from cfg_helpers import cuda_gpus
-from run_helpers import FIXTURES
+from run_helpers import FIXTURES, run_args
 from vllm_import import import_vllm
 
 import_vllm()
@@ -46,18 +49,25 @@ def _args(tiny, run_dir, *extra):
 
 
 def _start(*args) -> subprocess.Popen:
+    """A launch whose output goes to a file (a pipe nobody reads while the test trains in-process would fill)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"  # the same summation order in every process
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlkit.train", *args], cwd=REPO_ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlkit.train", *args], cwd=REPO_ROOT, env=env, text=True, stdout=log,
+        stderr=subprocess.STDOUT,
     )  # fmt: skip
+    proc.log = log
+    return proc
 
 
 def _wait(proc: subprocess.Popen):
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:] + err[-6000:]
+    proc.wait(timeout=900)
+    proc.log.seek(0)
+    output = proc.log.read()
+    proc.log.close()
+    assert proc.returncode == 0, output[-9000:]
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -71,20 +81,19 @@ SYNC = ("algo.rollout_is.enabled=true",)
 
 @pytest.fixture(scope="module")
 def straight_runs(tiny, tmp_path_factory):
-    """Three runs at once (the 2-core machine is mostly waiting on Python anyway): straight 4 steps, the
-    first 2 steps of a resumed run, and 2 processes for 2 steps; then the resumed run's last 2 steps."""
+    """2 processes for 2 steps, launched; beside it, in this process: straight 4 steps, and 2 steps + resume + 2."""
     root = tmp_path_factory.mktemp("vllm_runs")
     straight, resumed, two = root / "straight", root / "resumed", root / "two"
-    runs = [_args(tiny, straight, *SYNC), _args(tiny, resumed, "trainer.steps=2", *SYNC)]
+    launched = None
     if not ONE_GPU_HOST:
-        runs.append(_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2", *SYNC))
-    if cuda_gpus():  # one after the other: every engine asks for its share of the GPU's free memory
-        for args in runs:
-            _wait(_start(*args))
-    else:
-        for p in [_start(*args) for args in runs]:
-            _wait(p)
-    _wait(_start(*_args(tiny, resumed, "trainer.resume=auto", *SYNC)))
+        launched = _start(*_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2", *SYNC))
+        if cuda_gpus():  # one after the other: every engine asks for its share of the GPU's free memory
+            _wait(launched)
+    run_args(_args(tiny, straight, *SYNC))
+    run_args(_args(tiny, resumed, "trainer.steps=2", *SYNC))
+    run_args(_args(tiny, resumed, "trainer.resume=auto", *SYNC))
+    if launched is not None and not launched.log.closed:
+        _wait(launched)
     return _steps(straight), _steps(resumed), (None if ONE_GPU_HOST else _steps(two))
 
 
@@ -137,12 +146,10 @@ def test_lora_and_multi_turn_episodes_on_vllm_keep_the_engine_and_learner_in_agr
     and multi-turn episodes (turns of all live episodes batched into one engine call, prefix caching on),
     where the learner scores the model's own tokens with more than one model turn per episode."""
     run_dir = tmp_path / "lora_mt"
-    _wait(
-        _start(
-            *_args(
-                tiny, run_dir, "trainer.steps=3", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02",
-                "env.name=rlkit_test_envs:Chatty", "env.max_turns=3", "env.max_total_tokens=64",
-            )
+    run_args(
+        _args(
+            tiny, run_dir, "trainer.steps=3", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=0.02",
+            "env.name=rlkit_test_envs:Chatty", "env.max_turns=3", "env.max_total_tokens=64",
         )
     )  # fmt: skip
     steps = _steps(run_dir)
