@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import run_helpers
 import torch
-from run_helpers import FIXTURES, overrides, read_jsonl, train
+from run_helpers import FIXTURES, overrides, read_jsonl, run_args, train
 
 from rlkit.config.schema import REPO_ROOT
 from rlkit.rundir import latest_checkpoint, write_checksums
@@ -115,7 +115,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
     signalled = read_jsonl(run_dir / "metrics.jsonl")
     assert signalled[-1]["reward/errors"] == 0 and signalled[-1]["reward/timeouts"] == 0
     straight_dir = tmp_path / "straight"
-    run_helpers.launch(tmp_path, *overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))
+    run_args(overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))  # in this process, one thread
     straight = read_jsonl(straight_dir / "metrics.jsonl")
     assert [m["step"] for m in straight] == steps
     for want, got in zip(straight[1:], signalled[1:]):
