@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -9,11 +8,6 @@ HERE = Path(__file__).resolve().parent
 for path in (HERE / "fixtures", HERE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
-
-# One thread per pytest-xdist worker: `make test` runs 2 workers on 2 cores, where 2 threads each only contend
-# (the runs the tests launch, and their worker processes, compute with one thread already).
-if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 # The tests marked `slow` (`make test-fast` leaves them out; `make test`, CI, runs them): every run of the whole
