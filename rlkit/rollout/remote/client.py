@@ -55,7 +55,7 @@ from rlkit.batch import ScoredBatch
 from rlkit.collectives import StartupGate, broadcast_object, free_port, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
-from rlkit.rollout.engines import resolve_engine, torch_dtype
+from rlkit.rollout.engines import resolve_engine, torch_dtype, vllm_usable
 from rlkit.rollout.engines.base import INFLIGHT_MODES
 from rlkit.rollout.remote.messages import (
     TO_LEARNER,
@@ -93,10 +93,8 @@ class AsyncRollouts:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.is_main = rank == 0
         self.R = t.rollout_gpus
-        # The workers' engine (each resolves `auto` the same way on this machine): only vLLM checks a push's
-        # log-prob probe; the HF engine is checked tensor for tensor, so the learner computes no probe for it.
-        self.engine = resolve_engine(cfg.rollout.engine, cfg.model.path)
-        self.engine_name = f"{self.engine}, in {self.R} rollout worker process(es)"
+        self.engine_name = f"{cfg.rollout.engine}, in {self.R} rollout worker process(es)"
+        self._workers_probe: bool | None = None  # whether the workers' engine checks the probe (_probed)
         self.dtype = torch_dtype(cfg.model.dtype)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.schedule = Schedule(t.max_staleness, t.steps)
@@ -314,13 +312,25 @@ class AsyncRollouts:
             raise
         # The learner's side of the log-prob probe (every rank: FSDP2 gathers), checked by each worker
         probe = None
-        if self.cfg.rollout.verify_push and export.probe is not None and self.engine == "vllm":
+        if self.cfg.rollout.verify_push and export.probe is not None and self._probed():
             probe = export.probe(probe_tokens())
         if digests is not None:  # each worker checks its engine against what was sent
             dtype = str(export.probe_dtype).removeprefix("torch.")
             for q in self.ctrl:
                 q.put(dumps(Digests(version, digests, probe, dtype)))
         return stats
+
+    def _probed(self) -> bool:
+        """Whether the workers' engine checks a push's log-prob probe: vLLM does; the HF engine is checked tensor
+        for tensor, so the learner computes no probe for it. Each worker resolves `auto` as this does (the same
+        machine: rlkit.rollout.engines.resolve_engine, which logged its pick at start-up); found at the first push,
+        not before (it may import vLLM)."""
+        if self._workers_probe is None:
+            engine = self.cfg.rollout.engine
+            self._workers_probe = engine == "vllm" or (
+                engine == "auto" and vllm_usable(self.cfg.model.path)[0]
+            )
+        return self._workers_probe
 
     def evaluate(self, version: int) -> dict[str, float]:
         """The workers' eval of version `version` (requested with its push)."""
