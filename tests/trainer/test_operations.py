@@ -115,7 +115,8 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
     signalled = read_jsonl(run_dir / "metrics.jsonl")
     assert signalled[-1]["reward/errors"] == 0 and signalled[-1]["reward/timeouts"] == 0
     straight_dir = tmp_path / "straight"
-    run_args(overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))  # in this process, one thread
+    # in this process, with one thread as the launch
+    run_args(overrides(tiny, straight_dir, f"trainer.steps={steps[-1]}", *reward))
     straight = read_jsonl(straight_dir / "metrics.jsonl")
     assert [m["step"] for m in straight] == steps
     for want, got in zip(straight[1:], signalled[1:]):
