@@ -6,7 +6,8 @@ In the worker, at start (`limit_this_worker`):
   as a whole (`os.killpg`) on a timeout, a crash and at the end of the batch;
 - `oom_score_adj` 1000: under memory pressure the kernel's OOM killer takes workers before the trainer;
 - a memory cap, `RLIMIT_DATA` (the private writable memory of a process: heap, anonymous mappings,
-  thread stacks; not shared libraries or files). It works unprivileged everywhere and turns a hog into a
+  thread stacks; not shared libraries or files), on top of what the worker holds at its start. It works
+  unprivileged everywhere and turns a hog into a
   `MemoryError` in the call that allocates, failing that episode (or sample) with the reason, while the
   trainer is untouched. It is per process: each process a worker starts gets the same cap.
 - it joins its pids cgroup, when there is one (below).
@@ -60,8 +61,21 @@ def limit_this_worker(memory_limit_mb: int | None, cgroup: str | None) -> None:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     if memory_limit_mb is not None:
-        limit = int(memory_limit_mb) << 20
+        # On top of what the worker holds at its start: one forked from the fork server inherits the server's
+        # private memory (the modules it preloaded, whichever run of this process started it), and a cap below
+        # that failed the worker's first thread ("did not start within 60s").
+        limit = private_data_bytes() + (int(memory_limit_mb) << 20)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def private_data_bytes() -> int:
+    """What RLIMIT_DATA counts of this process now (VmData in /proc/self/status); 0 where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) << 10
+    return 0
 
 
 def _caught(signum, frame) -> None:

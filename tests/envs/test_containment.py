@@ -61,6 +61,33 @@ def _steps(name, kwargs, count, *, timeout_s=10.0, limits=DEFAULT_LIMITS):
 # -- memory ----------------------------------------------------------------------------------------------
 
 
+FORK_SERVER_THEN_CAP = """
+from rlkit.envs.workers import EnvWorkers, Limits
+for spec in ("HeavyPreload", "HeavyPreload", "Hog"):  # the first starts this process's fork server
+    workers = EnvWorkers("rlkit_test_contained_envs:" + spec, {}, 1, timeout_s=60, limits=Limits(memory_limit_mb=200))
+    try:
+        print(spec, workers.call("make", {0: ()})[0][0], workers.call("step", {0: ("a",)})[0][0], flush=True)
+    finally:
+        workers.close()
+"""
+
+
+def test_the_cap_counts_from_the_workers_start_whatever_the_fork_server_preloaded():
+    """A fork server started for an environment with a heavy preload (300 MB of private memory) hands that
+    memory to every worker the process forks later, and a cap of 200 MB used to fall below it: the worker's first
+    thread failed ("did not start within 60s", seen when a run with env.memory_limit_mb=200 followed an
+    ecosystem environment's run in one process). The cap counts from what the worker holds at its start; a hog
+    still fails at it. A fresh process: the fork server is one per process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_SERVER_THEN_CAP], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["HeavyPreload ok ok", "HeavyPreload ok ok", "Hog ok error"], (
+        proc.stdout
+    )
+
+
 def test_a_memory_hog_fails_its_own_episode_and_workers_are_the_oom_killers_first_choice(tok):  # noqa: F811
     # The worker is alive and preferred by the OOM killer while it runs.
     # (timeouts far above the ~0.1 s the hog needs: writing 300 MB can take seconds on a loaded machine)
