@@ -340,8 +340,8 @@ class EnvConfig:
     worker is killed and the run stops before any model loads, naming env.name."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
-    stacks, reserved rather than touched, on top of what the worker holds at its start); an allocation over it fails that episode (`env/errors`); null =
-    no cap. Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
+    stacks, reserved rather than touched, on top of what the worker holds at its start); an allocation over it fails
+    that episode (`env/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
     a count of processes in /proc where none is writable: see docs/guides/operations.md); null = no cap."""

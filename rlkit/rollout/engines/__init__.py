@@ -75,14 +75,16 @@ def torch_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_engine(engine: str, model_path: str | None = None) -> str:
-    """The engine `engine` names: `auto` becomes `vllm` where it can run the model, else `hf` (logged)."""
+def resolve_engine(engine: str, model_path: str | None = None, *, log_pick: bool = True) -> str:
+    """The engine `engine` names: `auto` becomes `vllm` where it can run the model, else `hf` (logged unless
+    `log_pick` is false: a second resolution of a run's engine)."""
     ENGINES.check(engine)
     if engine != "auto":
         return engine
     usable, why = vllm_usable(model_path)
     picked = "vllm" if usable else "hf"
-    log.info("rollout.engine=auto picked %s (%s)", picked, why)
+    if log_pick:
+        log.info("rollout.engine=auto picked %s (%s)", picked, why)
     return picked
 
 

@@ -55,7 +55,7 @@ from rlkit.batch import ScoredBatch
 from rlkit.collectives import StartupGate, broadcast_object, free_port, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
-from rlkit.rollout.engines import resolve_engine, torch_dtype, vllm_usable
+from rlkit.rollout.engines import resolve_engine, torch_dtype
 from rlkit.rollout.engines.base import INFLIGHT_MODES
 from rlkit.rollout.remote.messages import (
     TO_LEARNER,
@@ -323,13 +323,11 @@ class AsyncRollouts:
     def _probed(self) -> bool:
         """Whether the workers' engine checks a push's log-prob probe: vLLM does; the HF engine is checked tensor
         for tensor, so the learner computes no probe for it. Each worker resolves `auto` as this does (the same
-        machine: rlkit.rollout.engines.resolve_engine, which logged its pick at start-up); found at the first push,
+        machine: resolve_engine, which logged its pick at start-up); found at the first push,
         not before (it may import vLLM)."""
         if self._workers_probe is None:
-            engine = self.cfg.rollout.engine
-            self._workers_probe = engine == "vllm" or (
-                engine == "auto" and vllm_usable(self.cfg.model.path)[0]
-            )
+            engine = resolve_engine(self.cfg.rollout.engine, self.cfg.model.path, log_pick=False)
+            self._workers_probe = engine == "vllm"
         return self._workers_probe
 
     def evaluate(self, version: int) -> dict[str, float]:
