@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,30 @@ def weights_dir(path):
 def checkpoint_weights(ckpt):
     """Every tensor of a checkpoint's HF model."""
     return weights_dir(ckpt / "model")
+
+
+def start(*args, cwd=REPO_ROOT) -> subprocess.Popen:
+    """`python -m rlkit.train ARGS` started from `cwd` as `launch` does, not waited for: its output goes to a file
+    (a pipe nobody reads while the test does other work would fill), which `finish` reads."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"  # as `launch`
+    output = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlkit.train", *args], cwd=cwd, env=env, text=True, stdout=output,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    proc.output = output
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout=900) -> str | None:
+    """Wait for a `start`ed run: None if it succeeded, else its output (the last 9000 characters)."""
+    proc.wait(timeout=timeout)
+    proc.output.seek(0)
+    text = proc.output.read()
+    proc.output.close()
+    return None if proc.returncode == 0 else text[-9000:]
 
 
 def launch(cwd, *args, timeout=600):

@@ -6,20 +6,16 @@ are `python -m rlkit.train` launches as for a user; the one-process runs run in 
 imported there already: a launch costs ~20 s of imports on 2 cores), with one thread as the launched ones."""
 
 import json
-import os
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from cfg_helpers import cuda_gpus
-from run_helpers import FIXTURES, run_args
+from run_helpers import finish, run_args, start
 from vllm_import import import_vllm
 
 import_vllm()
 
-from rlkit.config.schema import REPO_ROOT  # noqa: E402
 
 # On CUDA each process takes a GPU of its own: the second of two learner processes asks for cuda:1, and an async
 # run's rollout worker takes a GPU beside the learner's (trainer.rollout_gpus=1 on one GPU leaves none to train on).
@@ -48,26 +44,9 @@ def _args(tiny, run_dir, *extra):
     ]  # fmt: skip
 
 
-def _start(*args) -> subprocess.Popen:
-    """A launch whose output goes to a file (a pipe nobody reads while the test trains in-process would fill)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"  # the same summation order in every process
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlkit.train", *args], cwd=REPO_ROOT, env=env, text=True, stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    proc.log = log
-    return proc
-
-
 def _wait(proc: subprocess.Popen):
-    proc.wait(timeout=900)
-    proc.log.seek(0)
-    output = proc.log.read()
-    proc.log.close()
-    assert proc.returncode == 0, output[-9000:]
+    error = finish(proc)
+    assert error is None, error
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -86,13 +65,13 @@ def straight_runs(tiny, tmp_path_factory):
     straight, resumed, two = root / "straight", root / "resumed", root / "two"
     launched = None
     if not ONE_GPU_HOST:
-        launched = _start(*_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2", *SYNC))
+        launched = start(*_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2", *SYNC))
         if cuda_gpus():  # one after the other: every engine asks for its share of the GPU's free memory
             _wait(launched)
     run_args(_args(tiny, straight, *SYNC))
     run_args(_args(tiny, resumed, "trainer.steps=2", *SYNC))
     run_args(_args(tiny, resumed, "trainer.resume=auto", *SYNC))
-    if launched is not None and not launched.log.closed:
+    if launched is not None and not launched.output.closed:
         _wait(launched)
     return _steps(straight), _steps(resumed), (None if ONE_GPU_HOST else _steps(two))
 
@@ -125,7 +104,7 @@ def test_async_training_with_vllm_in_a_rollout_worker_equals_sync(tiny, tmp_path
         "async0": ["trainer.mode=async", "trainer.max_staleness=0"],
         "async1": ["trainer.mode=async", "trainer.max_staleness=1", "trainer.lr=0.02"],
     }
-    procs = [_start(*_args(tiny, tmp_path / name, "trainer.steps=3", *extra)) for name, extra in runs.items()]
+    procs = [start(*_args(tiny, tmp_path / name, "trainer.steps=3", *extra)) for name, extra in runs.items()]
     for p in procs:
         _wait(p)
     sync = straight_runs[0][:3]  # a constant learning rate: the first 3 of 4 steps are a 3-step run

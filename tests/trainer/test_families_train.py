@@ -12,20 +12,15 @@ family are in tests/rollout/test_families.py; these prove the trainer's wiring):
   a colocated push leaves to its batch (rlkit/sync.py)."""
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from model_families import build_family
-from run_helpers import FIXTURES, read_jsonl, run_args, train
+from run_helpers import finish, read_jsonl, run_args, start, train
 from vllm_import import import_vllm
 
 import_vllm()
 
-from rlkit.config.schema import REPO_ROOT  # noqa: E402
 from rlkit.weights import WeightSyncError  # noqa: E402
 
 
@@ -42,19 +37,6 @@ def _args(ckpt, run_dir, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def _start(ckpt, run_dir, *extra) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    log = tempfile.TemporaryFile("w+")  # (a pipe nobody reads while the in-process runs train would fill)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlkit.train", *_args(ckpt, run_dir, *extra)], cwd=REPO_ROOT, env=env, text=True,
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    proc.log = log
-    return proc
-
-
 def _steps(run_dir: Path) -> list[dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [m for m in lines if "reward/mean" in m]
@@ -66,7 +48,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("family_runs")
     moe = build_family("qwen3-moe", root / "qwen3-moe")
     mla = build_family("deepseek-v2", root / "deepseek-v2")
-    launched = _start(moe, root / "moe_async", "trainer.mode=async", "trainer.max_staleness=0")
+    launched = start(*_args(moe, root / "moe_async", "trainer.mode=async", "trainer.max_staleness=0"))
     plan = {
         "moe": (moe, ()),
         "mla": (mla, ()),
@@ -79,10 +61,7 @@ def runs(tmp_path_factory):
             out[name] = (None, root / name)
         except Exception as e:  # what a user's launch prints last
             out[name] = (f"{type(e).__name__}: {e}", root / name)
-    launched.wait(timeout=900)
-    launched.log.seek(0)
-    out["moe_async"] = (None if launched.returncode == 0 else launched.log.read(), root / "moe_async")
-    launched.log.close()
+    out["moe_async"] = (finish(launched), root / "moe_async")
     return out
 
 
