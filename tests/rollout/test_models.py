@@ -93,3 +93,27 @@ def test_tokenizer_fallbacks_pad_and_chat_template(tiny_ckpt, tmp_path, caplog):
         add_generation_prompt=True,
     )
     assert text == "system: Be brief.\nuser: Hi\nassistant: "
+
+
+def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(tiny_ckpt, tmp_path, monkeypatch):
+    """Loads of an unchanged directory parse its files once per process; each load is an independent
+    tokenizer (a change to one is not seen by the next load); a change on disk is parsed again."""
+    import transformers
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    parse = transformers.AutoTokenizer.from_pretrained
+    parsed = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: parsed.append(a[0]) or parse(*a, **k)
+    )
+    first = load_tokenizer(folder)
+    first.add_tokens(["<rlkit-one-caller>"])
+    first.pad_token = None
+    second = load_tokenizer(folder)
+    assert parsed == [str(folder)]  # the second load parsed nothing
+    assert len(second) == len(first) - 1 and second.pad_token_id is not None
+    assert second("hello world")["input_ids"] == parse(str(folder))("hello world")["input_ids"]
+    first.save_pretrained(folder)  # the files change: the next load parses them again and sees the token
+    third = load_tokenizer(folder)
+    assert parsed == [str(folder), str(folder)] and len(third) == len(first)
