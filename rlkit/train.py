@@ -21,14 +21,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from rlkit import envs, learner, rewards, trainer
-from rlkit.collectives import free_port
-from rlkit.config.rules import fitting_worlds, local_path_exists, parse, working_values
+from rlkit import envs, rewards
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
-from rlkit.rollout import engines, evaluation, producer
-from rlkit.rollout.remote import client
-from rlkit.trainer import run
+
+# Nothing heavier than Hydra at import: every process that multiprocessing spawns from `python -m rlkit.train`
+# (reward, rollout and environment workers) imports this module first, as its `__mp_main__`. The components
+# (torch, transformers) are imported by the functions that use them.
 
 __all__ = ["compose", "load_config", "main", "preflight"]
 
@@ -40,6 +39,10 @@ register_configs()
 
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
+    from rlkit import learner, trainer
+    from rlkit.config.rules import local_path_exists
+    from rlkit.rollout import engines, evaluation, producer
+    from rlkit.rollout.remote import client
 
     local_path_exists("model.path", cfg.model.path)
     for check in (
@@ -53,6 +56,9 @@ def preflight(cfg: RLConfig) -> None:
 
 def load_config(cfg, *, world_size: int = 1) -> RLConfig:
     """Composed Hydra config -> checked `RLConfig`: the schema's rules, then every component's `check_config`."""
+    from rlkit import learner
+    from rlkit.config.rules import parse
+
     config = parse(cfg, world_size=world_size)
     learner.strategy.resolve_dtypes(config)  # model.dtype=auto -> the machine's fast dtype, before any check
     preflight(config)
@@ -84,6 +90,8 @@ def default_num_processes(cfg: DictConfig) -> int:
         return int(t.num_processes)
     import torch
 
+    from rlkit.config.rules import fitting_worlds, working_values
+
     if t.device == "cpu" or not torch.cuda.is_available():
         return 1
     gpus = torch.cuda.device_count()
@@ -106,6 +114,8 @@ def _worker(config: dict) -> None:
     """Entry of each process started by `launch` (module level so it can be pickled)."""
     import torch
 
+    from rlkit.trainer import run
+
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # Processes share the cores; without this each one starts a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -116,6 +126,8 @@ def _worker(config: dict) -> None:
 def launch(cfg: RLConfig, num_processes: int) -> None:
     """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from rlkit.collectives import free_port
 
     config = LaunchConfig(
         min_nodes=1,
@@ -135,6 +147,8 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
 
 
 def main_from_config(cfg: DictConfig) -> None:
+    from rlkit.trainer import run
+
     launched = _launched_world_size()
     if launched is not None:
         _worker(cfg)

@@ -277,6 +277,20 @@ def test_an_import_inside_a_function_only_defers_a_heavy_package():
     assert not bad, "move these imports to the top of the module:\n" + "\n".join(bad)
 
 
+def test_the_entry_point_imports_nothing_heavy():
+    """multiprocessing's spawned children of `python -m rlkit.train` (reward, rollout, environment workers) import
+    rlkit.train first, as their `__mp_main__`: a reward worker that imported torch for it started in ~5 s, not
+    ~1. Statically (top-level imports, transitively) and in a fresh interpreter."""
+    import subprocess
+
+    assert not _heavy_closure()["rlkit.train"]
+    code = "import sys, rlkit.train; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not HEAVY & set(proc.stdout.split()), HEAVY & set(proc.stdout.split())
+
+
 @pytest.mark.parametrize("path", sorted(MODULES.values()), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_module_says_what_it_owns(path):
     tree = ast.parse(path.read_text())
