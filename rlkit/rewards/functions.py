@@ -223,6 +223,8 @@ def math_answer(response: str) -> str | None:
 
 
 math_reward.rlkit_answer = math_answer
+# What its first call imports: each reward worker of a run that scores with it imports it at start (scorer.py)
+math_reward.rlkit_imports = ("math_verify",)
 reasoning_gym_reward.rlkit_answer = reasoning_gym.tagged_answer  # maj@k votes on the tagged answers
 reasoning_gym_lenient_reward.rlkit_answer = reasoning_gym.lenient_answer
 

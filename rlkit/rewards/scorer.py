@@ -35,8 +35,14 @@ log = logging.getLogger(__name__)
 _SEQ = itertools.count()  # reward workers' cgroups: a fresh one per worker
 
 
-def _init_worker() -> None:
-    import math_verify  # noqa: F401  (sympy takes a second or two to import)
+def _init_worker(imports: tuple[str, ...]) -> None:
+    """Import what the run's reward functions import at their first call (`rlkit_imports`: math's math-verify,
+    whose sympy takes a second or two), so that no call spends its time limit importing; a worker for other
+    functions skips it."""
+    import importlib
+
+    for module in imports:
+        importlib.import_module(module)
 
 
 def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> None:
@@ -69,7 +75,7 @@ def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> 
 
 def _worker_main(
     conn, parent_pid: int, started_by_main_thread: bool = True, memory_limit_mb: int | None = None,
-    cgroup: str | None = None,
+    cgroup: str | None = None, imports: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
     """A reward worker: one private pipe to the trainer, no lock shared with any other process.
 
@@ -82,7 +88,7 @@ def _worker_main(
     default_signals_for_children()
     die_with_parent(parent_pid, started_by_main_thread=started_by_main_thread)
     limit_this_worker(memory_limit_mb, cgroup)
-    _init_worker()
+    _init_worker(imports)
     serve_requests(conn, lambda task: call_reward(*task))
 
 
@@ -133,14 +139,21 @@ def exit_reason(code: int | None) -> str:
 class _Worker:
     """One worker process and its pipe; `task` is the (name, index) it is running, `deadline` its limit."""
 
-    def __init__(self, ctx, start_timeout_s: float, memory_limit_mb: int | None = None, cap=None):
+    def __init__(
+        self,
+        ctx,
+        start_timeout_s: float,
+        memory_limit_mb: int | None = None,
+        cap=None,
+        imports: tuple[str, ...] = (),
+    ):
         import threading
 
         self.conn, child = ctx.Pipe(duplex=True)
         main = threading.current_thread() is threading.main_thread()
         self.cap = cap
         self.cgroup = cap.cgroup_for(next(_SEQ)) if cap is not None else None
-        args = (child, os.getpid(), main, memory_limit_mb, self.cgroup)
+        args = (child, os.getpid(), main, memory_limit_mb, self.cgroup, imports)
         self.proc = ctx.Process(target=_worker_main, args=args, daemon=True)
         self.proc.start()
         REAPER.hold_group(self.proc.pid)  # killed by the reaper if the trainer dies first
@@ -248,8 +261,9 @@ class RewardScorer:
             self.weights[name] = self.weights.get(name, 0.0) + float(w)
         self.correct_threshold = correct_threshold
         self.route_by, self.routes = route_by, dict(routes or {})
-        for name in [*self.weights, *self.routes.values()]:
-            resolve(name)  # fail at start-up on a bad name, not in a worker
+        # resolve: fail at start-up on a bad name, not in a worker
+        functions = [resolve(name) for name in [*self.weights, *self.routes.values()]]
+        self._imports = tuple(sorted({m for fn in functions for m in getattr(fn, "rlkit_imports", ())}))
         self.timeout_s = timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.num_workers = num_workers
@@ -264,7 +278,7 @@ class RewardScorer:
     def _spawn(self) -> _Worker:
         if self._cap is None:
             self._cap = ProcessCap(self.max_processes)
-        return _Worker(self._ctx, self.start_timeout_s, self.memory_limit_mb, self._cap)
+        return _Worker(self._ctx, self.start_timeout_s, self.memory_limit_mb, self._cap, self._imports)
 
     def close(self) -> None:
         """Kill the workers (they are stateless); safe to call twice, never blocks on a worker."""

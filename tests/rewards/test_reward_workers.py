@@ -207,3 +207,19 @@ def test_workers_started_from_a_thread_die_with_the_trainer(tmp_path):
         for p in pids if "pids" in locals() else []:
             if running(p):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("with_math", [False, True])
+def test_a_worker_imports_math_verify_at_start_only_for_a_run_scoring_with_math(with_math):
+    """math's first call would import sympy (a second or two of its time limit): its run's workers import it
+    at start (`rlkit_imports`); a run without it does not pay for it. One worker, one sample: the main
+    function's call is the worker's first."""
+    probe = "rlkit_test_rewards:math_verify_loaded"
+    scorer = RewardScorer(probe, extra={"math": 1.0} if with_math else None, num_workers=1, timeout_s=60.0)
+    try:
+        scores, _ = bounded(lambda: scorer.score(["q"], ["#### 3"], ["3"]), 120)
+    finally:
+        bounded(scorer.close, 30)
+    assert scores.per_fn[probe] == [1.0 if with_math else 0.0]
+    if with_math:
+        assert scores.per_fn["math"] == [1.0]
