@@ -425,3 +425,30 @@ def test_quiet_push_logs_keeps_real_warnings_and_errors():
         "boom",
         "RotaryEmbedding: Failed to load weights",
     ]
+
+
+def test_the_builds_garbage_collections_scan_only_what_the_build_makes(ckpts, monkeypatch):
+    """vLLM runs full garbage collections while it builds an engine (~0.7 s each over a process holding
+    torch, transformers and vLLM): the objects that existed before the build are frozen first, so each of
+    vLLM's sees only what the build made; a failed build leaves nothing frozen, a closed engine neither."""
+    import gc
+
+    from rlkit.rollout.engines.vllm import VLLMEngine
+
+    scanned = []  # objects a full collection walks: the oldest generation's (frozen ones are not in it)
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: scanned.append(len(gc.get_objects(2))) or collect(*a))
+    before = len(gc.get_objects())
+    engine = VLLMEngine(
+        ckpts["tied"], dtype="float32", seed=0, kv_cache_gib=0.05, max_model_len=256, **TEST_ENGINE
+    )
+    try:
+        ours, *vllms = scanned
+        assert ours >= before // 2 and len(vllms) >= 3, (before, scanned)  # vLLM's own: at least three
+        assert max(vllms) < before // 4, (before, scanned)
+    finally:
+        engine.close()
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(Exception, match="max_num_seqs"):
+        VLLMEngine(ckpts["tied"], dtype="float32", seed=0, kv_cache_gib=0.05, max_num_seqs=-1, **TEST_ENGINE)
+    assert gc.get_freeze_count() == 0

@@ -41,7 +41,7 @@ from rlkit.rollout.engines.base import (
 )
 from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
 from rlkit.rollout.engines.vllm_logs import quiet_build_logs, quiet_push_logs
-from rlkit.rollout.engines.vllm_memory import memory_plan
+from rlkit.rollout.engines.vllm_memory import memory_plan, older_objects_frozen
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
 from rlkit.rollout.engines.vllm_platform import (
     compiles,
@@ -205,7 +205,7 @@ class VLLMEngine:
             self._owns_dist = not torch.distributed.is_initialized()
             t0 = time.perf_counter()
             restored = TransformersClassesRestored(type(meta))
-            with restored:
+            with restored, older_objects_frozen():
                 self.llm = LLM(
                     model=os.path.join(directory, gguf_file) if gguf_file else directory,
                     tokenizer=directory,
