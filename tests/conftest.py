@@ -35,24 +35,24 @@ SLOW = (
 # (pytest-xdist's --dist loadfile with --no-loadscope-reorder; by default xdist puts the modules with the most
 # tests first, which left the long trainer and vLLM modules, of few tests each, running alone at the end while
 # the other worker idled); longest first, the workers end together. Each module's seconds in a whole-suite run
-# on 2 cores (2026-11-27, session 16, from --durations), longest first.
+# on 2 cores (2026-11-27, session 17, from --durations), longest first.
 HEAVIEST = (
-    "rollout/test_families.py",  # 264
-    "trainer/test_distill.py",  # 262
-    "rollout/test_vllm_train.py",  # 262
-    "trainer/test_async.py",  # 254
-    "trainer/test_e2e.py",  # 158
-    "envs/test_multiturn.py",  # 154
-    "trainer/test_async_inflight.py",  # 145
-    "trainer/test_families_train.py",  # 107
-    "misc/test_bench.py",  # 100
-    "trainer/test_dynamic.py",  # 97
-    "envs/test_ecosystem_envs.py",  # 78
-    "rollout/test_vllm_engine.py",  # 76
-    "trainer/test_operations.py",  # 73
-    "learner/test_fsdp2.py",  # 64
-    "trainer/test_stopped_rank.py",  # 63
-    "trainer/test_reliability.py",  # 50
+    "trainer/test_async.py",  # 287
+    "rollout/test_families.py",  # 233
+    "rollout/test_vllm_train.py",  # 211
+    "trainer/test_distill.py",  # 146
+    "trainer/test_e2e.py",  # 131
+    "trainer/test_async_inflight.py",  # 130
+    "envs/test_multiturn.py",  # 124
+    "misc/test_bench.py",  # 124
+    "trainer/test_families_train.py",  # 101
+    "trainer/test_dynamic.py",  # 94
+    "envs/test_ecosystem_envs.py",  # 82
+    "rollout/test_vllm_engine.py",  # 78
+    "trainer/test_operations.py",  # 60
+    "learner/test_fsdp2.py",  # 57
+    "trainer/test_stopped_rank.py",  # 57
+    "trainer/test_reliability.py",  # 40
 )
 
 

@@ -95,7 +95,9 @@ def test_tokenizer_fallbacks_pad_and_chat_template(tiny_ckpt, tmp_path, caplog):
     assert text == "system: Be brief.\nuser: Hi\nassistant: "
 
 
-def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(tiny_ckpt, tmp_path, monkeypatch):
+def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(
+    tiny_ckpt, tmp_path, monkeypatch
+):
     """Loads of an unchanged directory parse its files once per process; each load is an independent
     tokenizer (a change to one is not seen by the next load); a change on disk is parsed again."""
     import transformers
