@@ -156,9 +156,12 @@ def _parsed_tokenizer(directory: str, gguf_file: str | None):
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     folder = Path(directory)
-    if not folder.is_dir():
+    try:
+        files = tuple(
+            sorted((f.name, st.st_size, st.st_mtime_ns) for f in folder.iterdir() for st in [f.stat()])
+        )
+    except OSError:  # a hub id, or a file that vanished or a broken link in the folder: parsed, not kept
         return AutoTokenizer.from_pretrained(directory, **kwargs)
-    files = tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in folder.iterdir() for st in [f.stat()]))
     key = (str(folder.resolve()), gguf_file, files)
     if key not in _PARSED:
         while len(_PARSED) >= _PARSED_MAX:

@@ -119,3 +119,13 @@ def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(
     first.save_pretrained(folder)  # the files change: the next load parses them again and sees the token
     third = load_tokenizer(folder)
     assert parsed == [str(folder), str(folder)] and len(third) == len(first)
+
+
+def test_a_folder_with_a_broken_link_still_loads_its_tokenizer(tiny_ckpt, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    (folder / "stale.safetensors").symlink_to(tmp_path / "gone")
+    assert (
+        load_tokenizer(folder)("hello world")["input_ids"]
+        == load_tokenizer(tiny_ckpt)("hello world")["input_ids"]
+    )
