@@ -296,8 +296,8 @@ class RewardConfig:
     """Limit of one call of a batched reward function (@rlkit.rewards.batched); over it the batch scores 0."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each reward worker process (RLIMIT_DATA: heap and anonymous memory, on top of what the
-    worker holds at its start); a function over it
-    scores 0 (`reward/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
+    worker holds at its start); a function over it scores 0 (`reward/errors`); null = no cap. Workers also get
+    oom_score_adj 1000 (see docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of the reward workers and all they start (a pids cgroup, where one is
     writable: see docs/guides/operations.md); null = no cap."""
@@ -340,8 +340,9 @@ class EnvConfig:
     worker is killed and the run stops before any model loads, naming env.name."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
-    stacks, reserved rather than touched, on top of what the worker holds at its start); an allocation over it fails
-    that episode (`env/errors`); null = no cap. Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
+    stacks, reserved rather than touched, on top of what the worker holds at its start); an allocation over it
+    fails that episode (`env/errors`); null = no cap. Workers also get oom_score_adj 1000 (see
+    docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
     a count of processes in /proc where none is writable: see docs/guides/operations.md); null = no cap."""

@@ -7,9 +7,9 @@ In the worker, at start (`limit_this_worker`):
 - `oom_score_adj` 1000: under memory pressure the kernel's OOM killer takes workers before the trainer;
 - a memory cap, `RLIMIT_DATA` (the private writable memory of a process: heap, anonymous mappings,
   thread stacks; not shared libraries or files), on top of what the worker holds at its start. It works
-  unprivileged everywhere and turns a hog into a
-  `MemoryError` in the call that allocates, failing that episode (or sample) with the reason, while the
-  trainer is untouched. It is per process: each process a worker starts gets the same cap.
+  unprivileged everywhere and turns a hog into a `MemoryError` in the call that allocates, failing that
+  episode (or sample) with the reason, while the trainer is untouched. It is per process: each process a
+  worker starts gets the same cap.
 - it joins its pids cgroup, when there is one (below).
 
 From the trainer (`ProcessCap`): a cap on the processes (and threads) of a batch's workers and all they
