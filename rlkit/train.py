@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from rlkit import envs, rewards
+from rlkit import envs, gcpolicy, rewards
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
 
@@ -112,15 +112,18 @@ def default_num_processes(cfg: DictConfig) -> int:
 
 def _worker(config: dict) -> None:
     """Entry of each process started by `launch` (module level so it can be pickled)."""
-    import torch
+    with gcpolicy.setup_phase():  # the imports and checks without automatic garbage collection (gcpolicy.py)
+        import torch
 
-    from rlkit.trainer import run
+        from rlkit.trainer import run
 
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # Processes share the cores; without this each one starts a thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-    run(load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
+        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+            # Processes share the cores; without this each one starts a thread per core.
+            torch.set_num_threads(
+                max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            )
+        checked = load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    run(checked)
 
 
 def launch(cfg: RLConfig, num_processes: int) -> None:
@@ -153,8 +156,9 @@ def main_from_config(cfg: DictConfig) -> None:
     if launched is not None:
         _worker(cfg)
         return
-    n = default_num_processes(cfg)
-    config = load_config(cfg, world_size=n)  # fail before any process starts or model loads
+    with gcpolicy.setup_phase():  # the imports and checks without automatic garbage collection (gcpolicy.py)
+        n = default_num_processes(cfg)
+        config = load_config(cfg, world_size=n)  # fail before any process starts or model loads
     if n == 1:
         run(config)
     else:

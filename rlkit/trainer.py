@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import rundir
+from rlkit import gcpolicy, rundir
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
@@ -360,7 +360,8 @@ class Trainer:
 def run(cfg: RLConfig) -> list[dict[str, float]]:
     """Build a Trainer for this rank, train, clean up. Returns the per-step metrics."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    trainer = Trainer(cfg)
+    with gcpolicy.setup_phase():  # models and engines built without automatic collections (gcpolicy.py)
+        trainer = Trainer(cfg)
     try:
         return trainer.train()
     except Exception as e:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rlkit import gcpolicy
 from rlkit.rewards.containment import (
     ProcessCap,
     cgroup_members,
@@ -41,8 +42,9 @@ def _init_worker(imports: tuple[str, ...]) -> None:
     functions skips it."""
     import importlib
 
-    for module in imports:
-        importlib.import_module(module)
+    with gcpolicy.setup_phase():
+        for module in imports:
+            importlib.import_module(module)
 
 
 def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> None:

@@ -151,6 +151,31 @@ def test_other_algorithms_run_one_step(tiny, tmp_path, extra):
         assert "rollout_is/mean" in m and m["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_the_set_up_runs_without_automatic_garbage_collection_and_the_loop_with_it(
+    tiny, tmp_path, monkeypatch
+):
+    """rlkit/gcpolicy.py: the learner is built with the collector off, it updates with the collector on."""
+    import gc
+
+    from rlkit.learner import Learner
+
+    seen = {}
+    init, update = Learner.__init__, Learner.update
+
+    def spy_init(self, *a, **k):
+        seen["set-up"] = gc.isenabled()
+        return init(self, *a, **k)
+
+    def spy_update(self, *a, **k):
+        seen["loop"] = gc.isenabled()
+        return update(self, *a, **k)
+
+    monkeypatch.setattr(Learner, "__init__", spy_init)
+    monkeypatch.setattr(Learner, "update", spy_update)
+    train(tiny, tmp_path / "g", "trainer.steps=1")
+    assert seen == {"set-up": False, "loop": True} and gc.isenabled()
+
+
 def test_rollout_is_statistics_cover_every_sampled_token_when_no_group_trains(tiny, tmp_path):
     # A constant reward: every group has zero spread, so (masked) nothing trains. The engine and the
     # learner hold the same weights at step 0, so every IS weight is 1; measured over the empty loss

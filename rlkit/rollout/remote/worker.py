@@ -17,6 +17,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from rlkit import gcpolicy
 from rlkit.config.rules import parse
 from rlkit.models import load_tokenizer
 from rlkit.rewards.scorer import die_with_parent
@@ -106,7 +107,8 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, erro
         cfg = parse(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
         join_world(r, R, device, cfg.trainer.collective_timeout_s)
-        rollouts = worker_rollouts(cfg, r, R, device)
+        with gcpolicy.setup_phase():  # the engine's imports and build without automatic collections
+            rollouts = worker_rollouts(cfg, r, R, device)
         rollouts.order.position = start["position"]
         results.put(dumps(Ready(r)))
         store = dist.TCPStore("127.0.0.1", ports["bridge"], R + 1, False,
