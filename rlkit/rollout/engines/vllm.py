@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from rlkit.batch import RolloutBatch
+from rlkit.gcpolicy import older_objects_frozen
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import (
     INFLIGHT_MODES,
@@ -41,7 +42,7 @@ from rlkit.rollout.engines.base import (
 )
 from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
 from rlkit.rollout.engines.vllm_logs import quiet_build_logs, quiet_push_logs
-from rlkit.rollout.engines.vllm_memory import memory_plan, older_objects_frozen
+from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
 from rlkit.rollout.engines.vllm_platform import (
     compiles,

@@ -1,11 +1,8 @@
 """How much of its GPU a vLLM engine takes, and whether it sleeps: colocated with a learner (sync mode) or on a
 GPU of its own (an async rollout worker). Pure: vLLM's own default comes from the caller (vllm.py, the one
-module that imports vllm, reads it from EngineArgs). And the heap the build's garbage collections scan."""
+module that imports vllm, reads it from EngineArgs)."""
 
 from __future__ import annotations
-
-import contextlib
-import gc
 
 # The share of its GPU the colocated engine may take (weights + KV cache): the learner needs the rest.
 COLOCATED_GPU_SHARE = 0.3
@@ -31,20 +28,3 @@ def memory_plan(
     if enable_sleep_mode is None:
         enable_sleep_mode = sleep_available and colocated
     return gpu_memory_utilization, enable_sleep_mode
-
-
-@contextlib.contextmanager
-def older_objects_frozen():
-    """Around an engine build: one full garbage collection, then every object that exists is frozen (`gc.freeze`),
-    so the three full collections vLLM runs while it builds (after loading the weights, after processing them,
-    before freezing the heap for serving) scan only what the build makes: each scanned the whole process,
-    ~0.7 s with torch, transformers and vLLM imported (2 cores), more in a process that has run for a while.
-    vLLM freezes the heap itself when the build is done and unfreezes it at shutdown; a failed build
-    unfreezes here."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    except BaseException:
-        gc.unfreeze()
-        raise
