@@ -141,17 +141,60 @@ def _check_hub_id(repo_id: str) -> str:
     return repo_id
 
 
-_PARSED: dict[tuple, object] = {}
+_PARSED: dict[tuple, list] = {}
 """Tokenizers as transformers parsed them, by directory and the size and mtime of its files (see
-`_parsed_tokenizer`); at most `_PARSED_MAX`, the oldest dropped first."""
+`_parsed_tokenizer`), each with whether `_copy` may rebuild its backend (None: not checked yet); at most
+`_PARSED_MAX`, the oldest dropped first."""
 _PARSED_MAX = 4
+
+
+def _rebuilt_backend(backend):
+    """A new `tokenizers.Tokenizer` equal to `backend`, around the same vocabulary model (BPE, Unigram, ...:
+    shared, read-only after the parse) with its own copies of the pipeline's other parts, its own added
+    tokens (re-added in id order), padding and truncation."""
+    import tokenizers
+
+    new = tokenizers.Tokenizer(backend.model)
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        if (value := getattr(backend, part)) is not None:
+            setattr(new, part, copy.deepcopy(value))
+    added = backend.get_added_tokens_decoder()
+    for token_id in sorted(added):
+        token = added[token_id]
+        (new.add_special_tokens if token.special else new.add_tokens)([token])
+    if backend.truncation:
+        new.enable_truncation(**backend.truncation)
+    if backend.padding:
+        new.enable_padding(**backend.padding)
+    return new
+
+
+def _copy(entry: list):
+    """An independent copy of the cached tokenizer `entry` = [tokenizer, rebuild ok?]. `copy.deepcopy` of a
+    fast tokenizer serialises its Rust backend to JSON and parses it again (~0.3 s of SmolLM2's ~0.5 s parse,
+    for every trainer, engine and check that loads it); here the backend is `_rebuilt_backend` (~2 ms) and the
+    rest deep-copied. The first copy of an entry checks that the rebuilt backend serialises exactly as the
+    parsed one; where it does not (or the tokenizer has no Rust backend) that entry's copies are deep copies."""
+    import tokenizers
+
+    tokenizer, ok = entry
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer) or ok is False:
+        return copy.deepcopy(tokenizer)
+    rebuilt = _rebuilt_backend(backend)
+    if ok is None:
+        entry[1] = ok = rebuilt.to_str() == backend.to_str()
+        if not ok:
+            return copy.deepcopy(tokenizer)
+    return copy.deepcopy(tokenizer, {id(backend): rebuilt})
 
 
 def _parsed_tokenizer(directory: str, gguf_file: str | None):
     """A fresh copy of transformers' tokenizer for `directory`: parsed once per process while the directory's
     files are unchanged (the preflight, the trainer, a teacher check and the evaluation each load the run's
-    tokenizer; parsing a 49k-token BPE tokenizer takes ~0.5 s, copying it ~0.2 s). Each call returns its own
-    copy, so what one caller changes (a pad token, added tokens) no other sees. Hub ids are not cached."""
+    tokenizer; parsing a 49k-token BPE tokenizer takes ~0.5 s, copying it a few ms: `_copy`). Each call
+    returns its own copy, so what one caller changes (a pad token, added tokens) no other sees. Hub ids are
+    not cached."""
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -166,8 +209,8 @@ def _parsed_tokenizer(directory: str, gguf_file: str | None):
     if key not in _PARSED:
         while len(_PARSED) >= _PARSED_MAX:
             _PARSED.pop(next(iter(_PARSED)))
-        _PARSED[key] = AutoTokenizer.from_pretrained(directory, **kwargs)
-    return copy.deepcopy(_PARSED[key])
+        _PARSED[key] = [AutoTokenizer.from_pretrained(directory, **kwargs), None]
+    return _copy(_PARSED[key])
 
 
 def load_tokenizer(path: str | os.PathLike):

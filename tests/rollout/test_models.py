@@ -121,6 +121,47 @@ def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(
     assert parsed == [str(folder), str(folder)] and len(third) == len(first)
 
 
+def test_a_copy_rebuilds_the_backend_equal_to_a_fresh_parse_and_shares_no_pipeline_part(tiny_ckpt, tmp_path):
+    """A load's Rust backend is rebuilt around the parsed vocabulary (models._copy), not parsed again: it
+    serialises exactly as transformers' own parse of the folder, encodes and decodes as it does, and a change
+    to a part of one load's pipeline (in place) or to its padding reaches no later load."""
+    import transformers
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    fresh = transformers.AutoTokenizer.from_pretrained(str(folder))
+    first = load_tokenizer(folder)
+    assert first.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    text = "Hello  world <|im_start|>user\n12 + 7 = ?<|im_end|>"
+    assert first(text)["input_ids"] == fresh(text)["input_ids"]
+    assert first.decode(first(text)["input_ids"]) == fresh.decode(fresh(text)["input_ids"])
+    before = load_tokenizer(folder).backend_tokenizer.to_str()
+    first.backend_tokenizer.pre_tokenizer.add_prefix_space = True  # in place, on a part of the pipeline
+    first.backend_tokenizer.enable_padding(pad_id=0, pad_token="<pad-of-one-caller>")
+    assert first.backend_tokenizer.to_str() != before
+    assert load_tokenizer(folder).backend_tokenizer.to_str() == before
+
+
+def test_a_backend_that_does_not_rebuild_exactly_is_deep_copied(tiny_ckpt, tmp_path, monkeypatch):
+    """Where the rebuilt backend would differ from the parsed one (checked at the first load), every load
+    of that folder is a deep copy: equal to the parse."""
+    import transformers
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, folder)
+    rebuild = models._rebuilt_backend
+
+    def lossy(backend):
+        new = rebuild(backend)
+        new.decoder = None
+        return new
+
+    monkeypatch.setattr(models, "_rebuilt_backend", lossy)
+    want = transformers.AutoTokenizer.from_pretrained(str(folder)).backend_tokenizer.to_str()
+    for _ in range(2):
+        assert load_tokenizer(folder).backend_tokenizer.to_str() == want
+
+
 def test_a_folder_with_a_broken_link_still_loads_its_tokenizer(tiny_ckpt, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, folder)
