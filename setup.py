@@ -11,6 +11,7 @@ setup(
     packages=[
         *find_namespace_packages(include=["rlkit", "rlkit.*"], exclude=["*.__pycache__"]),
         "rlkit.configs",
+        *(f"rlkit.configs.{group}" for group in find_namespace_packages(where="configs")),
         "rlkit.recipes",
     ]
 )
