@@ -160,16 +160,34 @@ def _log_failures(episodes: list[Episode], env_name: str) -> None:
         )  # fmt: skip
 
 
-def _render(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
+def _first_prompt(tokenizer, first: list[dict], context: int | None) -> tuple[list[int] | None, str | None]:
+    """(token ids of reset's first messages as the prompt, None), or (None, why they cannot be one): the chat
+    template cannot render them, or they leave no room in the context. Messages longer in characters than the
+    context could hold (`max_token_chars`, as observations in `_turns`) are refused without being tokenized
+    (a 1 MB first message took ~0.5 s a row to tokenize)."""
+    try:
+        text = tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    except Exception as ex:
+        return None, f"the chat template cannot render reset's first messages ({type(ex).__name__}: {ex})"
+    if context is None:
+        return tokenizer(text, add_special_tokens=False).input_ids, None
+    token_chars = max_token_chars(tokenizer)
+    if token_chars is not None and len(text) > 2 * context * token_chars:
+        return None, (
+            f"reset's first messages take {len(text)} characters, more than the model's context of {context} "
+            "tokens could hold (refused before tokenizing)"
+        )
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) >= context:
+        return None, f"reset's first messages take {len(ids)} tokens, the model's context {context}"
+    return ids, None
 
 
 def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_position):
     """n episodes per prompt, each with its own environment (built and reset by `runner` from the prompt's
     dataset row). Returns the episodes and the environment's stop strings. An episode whose environment
     cannot be built or reset, or whose first messages leave no room in the context, has failed already
-    (it keeps the dataset's prompt and gets no model turn)."""
+    (it keeps the dataset's prompt and gets no model turn: `_first_prompt`)."""
     made = runner.call("make", {k: () for k in range(len(prompts) * n)})
     stop = next((v for status, v in made.values() if status == "ok"), ())
     resets = runner.call(
@@ -183,19 +201,8 @@ def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_posi
         first = next((v for status, v in outs if status == "ok"), msgs)
         problem = None
         if first != msgs:
-            try:
-                new_ids = _render(tokenizer, first)
-            except Exception as ex:
-                problem = (
-                    f"the chat template cannot render reset's first messages ({type(ex).__name__}: {ex})"
-                )
-            else:
-                if context is not None and len(new_ids) >= context:
-                    problem = (
-                        f"reset's first messages take {len(new_ids)} tokens, the model's context {context}"
-                    )
-                else:
-                    ids = new_ids
+            new_ids, problem = _first_prompt(tokenizer, first, context)
+            ids = ids if new_ids is None else new_ids
         for j, (status, out) in enumerate(outs):
             k = i * n + j
             e = Episode(list(ids), list(first), k, (first_position + i) * n + j)

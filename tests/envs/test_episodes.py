@@ -298,7 +298,8 @@ MALFORMED = {
     "not_a_list": "observation must be a list of messages, got str",
     "reset_none": "reset returned a bad result: reset's first messages must be a list of messages, got NoneType",
     "reset_raise": "reset raised RuntimeError: reset boom",
-    "huge_first": "tokens, the model's context 1024",
+    "huge_first": "characters, more than the model's context of 1024 tokens could hold (refused before tokenizing)",
+    "long_first": "tokens, the model's context 1024",
     "huge_observation": "characters is longer than the episode's budget of 400 tokens could hold (refused before",
     "exit": "its worker died (exit code 3)",
 }
@@ -318,7 +319,8 @@ def test_a_misbehaving_environment_fails_only_its_episode(tok, how, caplog):
     assert out.stats["turns"].tolist()[2:] == [3.0, 3.0]
     (warning,) = [r.getMessage() for r in caplog.records if "end with reward 0" in r.getMessage()]
     assert "2 episode(s) (0, 1)" in warning and MALFORMED[how] in warning
-    if how in ("reset_none", "reset_raise", "huge_first"):  # no model turn; the prompt stays the dataset's
+    # No model turn; the prompt stays the dataset's.
+    if how in ("reset_none", "reset_raise", "huge_first", "long_first"):
         assert out.stats["turns"].tolist()[:2] == [0.0, 0.0] and len(engine.calls[0][0]) == 1
         assert out.rollout.prompt_ids.shape[1] < 100
     assert multiprocessing.active_children() == []
