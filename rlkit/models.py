@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -141,11 +143,46 @@ def _check_hub_id(repo_id: str) -> str:
     return repo_id
 
 
-_PARSED: dict[tuple, list] = {}
-"""Tokenizers as transformers parsed them, by directory and the size and mtime of its files (see
-`_parsed_tokenizer`), each with whether `_copy` may rebuild its backend (None: not checked yet); at most
-`_PARSED_MAX`, the oldest dropped first."""
+@dataclasses.dataclass
+class _Parsed:
+    """A tokenizer as transformers parsed it, and what `_copy` knows of it."""
+
+    tokenizer: object
+    movable: bool
+    """Nothing in it names the folder it was parsed from but its `name_or_path`: a copy may serve another
+    folder with the same files (`_files_key`); otherwise it is kept for its own folder only."""
+    rebuilds: bool | None = None
+    """Whether `_rebuilt_backend` gives its backend exactly (None: not checked yet)."""
+
+
+_PARSED: dict[tuple, _Parsed] = {}
+"""Parsed tokenizers by what they were parsed from (`_files_key`); at most `_PARSED_MAX`, the oldest dropped
+first."""
 _PARSED_MAX = 4
+_NOT_READ = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+"""Weight files, which a tokenizer is not parsed from: left out of `_files_key` (but a GGUF file it is
+parsed from)."""
+_HASHED_MAX = 256 << 20
+
+
+def _files_key(folder: Path, gguf_file: str | None) -> tuple:
+    """What a tokenizer parsed from `folder` depends on: the sha256 of each of its files but the weights
+    (`_NOT_READ`), and the size and mtime of the GGUF file it is parsed from or of a file over 256 MiB (those
+    tie the key to the folder). Folders with the same tokenizer files share one parse: a run's checkpoints,
+    the tests' tiny models. Raises OSError for a file it cannot read (a broken link)."""
+    parts = []
+    for f in sorted(folder.iterdir()):
+        if f.is_dir():  # additional_chat_templates/, or anything else a tokenizer might read
+            parts.append((f.name, _files_key(f, None)))
+            continue
+        if f.name.endswith(_NOT_READ) and f.name != gguf_file:
+            continue
+        st = f.stat()
+        if f.name == gguf_file or st.st_size > _HASHED_MAX:
+            parts.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
+        else:
+            parts.append((f.name, hashlib.sha256(f.read_bytes()).hexdigest()))
+    return (gguf_file, tuple(parts))
 
 
 def _rebuilt_backend(backend):
@@ -169,48 +206,57 @@ def _rebuilt_backend(backend):
     return new
 
 
-def _copy(entry: list):
-    """An independent copy of the cached tokenizer `entry` = [tokenizer, rebuild ok?]. `copy.deepcopy` of a
-    fast tokenizer serialises its Rust backend to JSON and parses it again (~0.3 s of SmolLM2's ~0.5 s parse,
-    for every trainer, engine and check that loads it); here the backend is `_rebuilt_backend` (~2 ms) and the
-    rest deep-copied. The first copy of an entry checks that the rebuilt backend serialises exactly as the
-    parsed one; where it does not (or the tokenizer has no Rust backend) that entry's copies are deep copies."""
+def _copy(parsed: _Parsed, directory: str):
+    """An independent copy of the `parsed` tokenizer, named `directory`. `copy.deepcopy` of a fast tokenizer
+    serialises its Rust backend to JSON and parses it again (~0.3 s of SmolLM2's ~0.5 s parse, for every
+    trainer, engine and check that loads it); here the backend is `_rebuilt_backend` (~2 ms) and the rest
+    deep-copied. The first copy checks that the rebuilt backend serialises exactly as the parsed one; where it
+    does not (or the tokenizer has no Rust backend) the copies are deep copies."""
     import tokenizers
 
-    tokenizer, ok = entry
+    tokenizer = parsed.tokenizer
     backend = getattr(tokenizer, "_tokenizer", None)
-    if not isinstance(backend, tokenizers.Tokenizer) or ok is False:
-        return copy.deepcopy(tokenizer)
-    rebuilt = _rebuilt_backend(backend)
-    if ok is None:
-        entry[1] = ok = rebuilt.to_str() == backend.to_str()
-        if not ok:
-            return copy.deepcopy(tokenizer)
-    return copy.deepcopy(tokenizer, {id(backend): rebuilt})
+    if not isinstance(backend, tokenizers.Tokenizer) or parsed.rebuilds is False:
+        out = copy.deepcopy(tokenizer)
+    else:
+        rebuilt = _rebuilt_backend(backend)
+        if parsed.rebuilds is None:
+            parsed.rebuilds = rebuilt.to_str() == backend.to_str()
+        out = (
+            copy.deepcopy(tokenizer, {id(backend): rebuilt}) if parsed.rebuilds else copy.deepcopy(tokenizer)
+        )
+    if out.name_or_path != directory:  # parsed from another folder with the same files
+        out.name_or_path = out.init_kwargs["name_or_path"] = directory
+    return out
 
 
 def _parsed_tokenizer(directory: str, gguf_file: str | None):
-    """A fresh copy of transformers' tokenizer for `directory`: parsed once per process while the directory's
-    files are unchanged (the preflight, the trainer, a teacher check and the evaluation each load the run's
-    tokenizer; parsing a 49k-token BPE tokenizer takes ~0.5 s, copying it a few ms: `_copy`). Each call
-    returns its own copy, so what one caller changes (a pad token, added tokens) no other sees. Hub ids are
-    not cached."""
+    """A fresh copy of transformers' tokenizer for `directory`: parsed once per process for the same files
+    (`_files_key`: the preflight, the trainer, a teacher check and the evaluation each load the run's
+    tokenizer, and folders with the same tokenizer files share it; parsing a 49k-token BPE tokenizer takes
+    ~0.5 s, copying it a few ms: `_copy`). Each call returns its own copy, so what one caller changes (a pad
+    token, added tokens) no other sees. Hub ids are not cached."""
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     folder = Path(directory)
     try:
-        files = tuple(
-            sorted((f.name, st.st_size, st.st_mtime_ns) for f in folder.iterdir() for st in [f.stat()])
-        )
+        files = _files_key(folder, gguf_file)
     except OSError:  # a hub id, or a file that vanished or a broken link in the folder: parsed, not kept
         return AutoTokenizer.from_pretrained(directory, **kwargs)
-    key = (str(folder.resolve()), gguf_file, files)
-    if key not in _PARSED:
+    here = (files, str(folder.resolve()))
+    parsed = _PARSED.get(files) or _PARSED.get(here)  # the same files anywhere, or in this folder
+    if parsed is None:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+        named = (
+            v for k, v in [*vars(tokenizer).items(), *tokenizer.init_kwargs.items()] if k != "name_or_path"
+        )
+        movable = not any(isinstance(v, str) and (directory in v or here[1] in v) for v in named)
+        parsed = _Parsed(tokenizer, movable)
         while len(_PARSED) >= _PARSED_MAX:
             _PARSED.pop(next(iter(_PARSED)))
-        _PARSED[key] = [AutoTokenizer.from_pretrained(directory, **kwargs), None]
-    return _copy(_PARSED[key])
+        _PARSED[files if movable else here] = parsed
+    return _copy(parsed, directory)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -100,6 +100,7 @@ def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(
 ):
     """Loads of an unchanged directory parse its files once per process; each load is an independent
     tokenizer (a change to one is not seen by the next load); a change on disk is parsed again."""
+    monkeypatch.setattr(models, "_PARSED", {})  # this process's earlier loads of the same files
     import transformers
 
     folder = tmp_path / "ckpt"
@@ -119,6 +120,35 @@ def test_a_directorys_tokenizer_is_parsed_once_and_every_load_is_its_own_copy(
     first.save_pretrained(folder)  # the files change: the next load parses them again and sees the token
     third = load_tokenizer(folder)
     assert parsed == [str(folder), str(folder)] and len(third) == len(first)
+
+
+def test_folders_with_the_same_tokenizer_files_share_one_parse_each_load_named_by_its_folder(
+    tiny_ckpt, tmp_path, monkeypatch
+):
+    """Two checkpoints whose weights differ but whose tokenizer files are the same: one parse, each load named
+    by (`name_or_path`) and encoding as its own folder's; a folder whose tokenizer files differ is parsed."""
+    monkeypatch.setattr(models, "_PARSED", {})  # this process's earlier loads of the same files
+    import transformers
+
+    a, b, c = (tmp_path / name for name in ("a", "b", "c"))
+    for folder in (a, b, c):
+        shutil.copytree(tiny_ckpt, folder)
+    (b / "model.safetensors").write_bytes(b"other weights")  # never read by the tokenizer's parse
+    config = json.loads((c / "tokenizer_config.json").read_text())
+    (c / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    parse = transformers.AutoTokenizer.from_pretrained
+    parsed = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: parsed.append(a[0]) or parse(*a, **k)
+    )
+    ta, tb, tc = (load_tokenizer(folder) for folder in (a, b, c))
+    assert parsed == [str(a), str(c)]
+    for tok, folder in ((ta, a), (tb, b), (tc, c)):
+        fresh = parse(str(folder))
+        assert tok.name_or_path == tok.init_kwargs["name_or_path"] == fresh.name_or_path == str(folder)
+        assert tok.model_max_length == fresh.model_max_length
+        assert tok("hello world 12+7")["input_ids"] == fresh("hello world 12+7")["input_ids"]
+    assert tc.model_max_length == 77 != ta.model_max_length
 
 
 def test_a_copy_rebuilds_the_backend_equal_to_a_fresh_parse_and_shares_no_pipeline_part(tiny_ckpt, tmp_path):
@@ -145,6 +175,7 @@ def test_a_copy_rebuilds_the_backend_equal_to_a_fresh_parse_and_shares_no_pipeli
 def test_a_backend_that_does_not_rebuild_exactly_is_deep_copied(tiny_ckpt, tmp_path, monkeypatch):
     """Where the rebuilt backend would differ from the parsed one (checked at the first load), every load
     of that folder is a deep copy: equal to the parse."""
+    monkeypatch.setattr(models, "_PARSED", {})  # this process's earlier loads of the same files
     import transformers
 
     folder = tmp_path / "ckpt"
