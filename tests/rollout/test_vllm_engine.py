@@ -427,6 +427,35 @@ def test_quiet_push_logs_keeps_real_warnings_and_errors():
     ]
 
 
+def test_a_close_runs_one_full_collection_and_frees_the_engines_model(ckpts):
+    """vLLM's shutdown runs two full collections (each over the whole process) and rlkit used to run a third:
+    one runs now, after the engine is dropped, and the engine's model (its weights) is gone with it."""
+    import gc
+    import weakref
+
+    from rlkit.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(
+        ckpts["tied"], dtype="float32", seed=0, kv_cache_gib=0.05, max_model_len=256, **TEST_ENGINE
+    )
+    (model,) = engine.llm.apply_model(weakref.ref)
+    assert model() is not None
+    full = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    collect = gc.collect
+    gc.callbacks.append(count)
+    try:
+        engine.close()
+    finally:
+        gc.callbacks.remove(count)
+    assert len(full) == 1 and model() is None
+    assert gc.collect is collect  # restored
+
+
 def test_the_builds_garbage_collections_scan_only_what_the_build_makes(ckpts, monkeypatch):
     """vLLM runs full garbage collections while it builds an engine (~0.7 s each over a process holding
     torch, transformers and vLLM): the objects that existed before the build are frozen first, so each of

@@ -20,8 +20,8 @@ CUDA graphs (compiled mode) and NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import time
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rlkit.batch import RolloutBatch
-from rlkit.gcpolicy import older_objects_frozen
+from rlkit.gcpolicy import older_objects_frozen, one_collection_after
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import (
     INFLIGHT_MODES,
@@ -435,13 +435,15 @@ class VLLMEngine:
         so another engine can be built in this process."""
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        self.llm = None
-        gc.collect()
+        with one_collection_after():  # vLLM's shutdown's own two, each over the whole process: skipped
+            self.llm = None
         destroy_model_parallel()
         if self._owns_dist:
             destroy_distributed_environment()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            with contextlib.suppress(AttributeError):  # torch >= 2.9; vLLM's shutdown empties it too
+                torch.accelerator.empty_host_cache()
 
 
 __all__ = [
