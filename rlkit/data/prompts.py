@@ -57,17 +57,22 @@ def render_prompt(question: str, tokenizer, cfg: DataConfig) -> tuple[str, list[
     return text, tokenizer(text).input_ids
 
 
-def max_prompt_chars(tokenizer, cfg: DataConfig) -> int | None:
-    """The most characters a question can have and still fit `cfg.max_prompt_tokens`, or None when the
-    tokenizer has no vocabulary to measure.
+def max_chars(tokenizer, tokens: int) -> int | None:
+    """The most characters a text of `tokens` tokens can have, or None when the tokenizer has no vocabulary to
+    measure: a text longer than that is refused without being tokenized (a data row, an environment's first
+    messages or observation), which for a 50 MB row would take minutes.
 
     A token stands for at most as many characters as its longest vocabulary entry (byte-level BPE spells each
-    byte as one character, so an entry is never shorter than the text it decodes to; SmolLM2's longest is 81),
-    so a question longer than `max_prompt_tokens` x that cannot fit in any template; x2 is a margin for a
-    normalizer that drops characters before tokenizing. Such a row is dropped without being tokenized, which
-    for a 50 MB row would take minutes."""
+    byte as one character, so an entry is never shorter than the text it decodes to; SmolLM2's longest is 81);
+    x2 is a margin for a normalizer that drops characters before tokenizing."""
     longest = max_token_chars(tokenizer)
-    return None if longest is None else 2 * cfg.max_prompt_tokens * longest
+    return None if longest is None else 2 * tokens * longest
+
+
+def max_prompt_chars(tokenizer, cfg: DataConfig) -> int | None:
+    """The most characters a question can have and still fit `cfg.max_prompt_tokens` in any template
+    (`max_chars`)."""
+    return max_chars(tokenizer, cfg.max_prompt_tokens)
 
 
 def max_token_chars(tokenizer) -> int | None:

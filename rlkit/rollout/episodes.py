@@ -27,7 +27,7 @@ from torch import Tensor
 
 from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
-from rlkit.data.prompts import max_token_chars
+from rlkit.data.prompts import max_chars, max_token_chars
 from rlkit.envs import SingleTurn, resolve_env
 from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs, Oversized
 from rlkit.rollout.engines.base import rows_to_batch
@@ -163,16 +163,15 @@ def _log_failures(episodes: list[Episode], env_name: str) -> None:
 def _first_prompt(tokenizer, first: list[dict], context: int | None) -> tuple[list[int] | None, str | None]:
     """(token ids of reset's first messages as the prompt, None), or (None, why they cannot be one): the chat
     template cannot render them, or they leave no room in the context. Messages longer in characters than the
-    context could hold (`max_token_chars`, as observations in `_turns`) are refused without being tokenized
-    (a 1 MB first message took ~0.5 s a row to tokenize)."""
+    context could hold (`max_chars`, as observations in `_turns`) are refused without being tokenized (a 1 MB
+    first message took ~0.5 s a row to tokenize)."""
     try:
         text = tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
     except Exception as ex:
         return None, f"the chat template cannot render reset's first messages ({type(ex).__name__}: {ex})"
     if context is None:
         return tokenizer(text, add_special_tokens=False).input_ids, None
-    token_chars = max_token_chars(tokenizer)
-    if token_chars is not None and len(text) > 2 * context * token_chars:
+    if (limit := max_chars(tokenizer, context)) is not None and len(text) > limit:
         return None, (
             f"reset's first messages take {len(text)} characters, more than the model's context of {context} "
             "tokens could hold (refused before tokenizing)"
@@ -387,7 +386,7 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
         return left
 
     gen_seconds = 0.0
-    token_chars = max_token_chars(tokenizer)
+    measurable = max_token_chars(tokenizer) is not None
     live = [e for e in episodes if not e.done]
     for turn in range(max_turns):
         if not live:
@@ -410,9 +409,9 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
         gen_seconds += rb.stats.get("gen_seconds", 0.0)
         stepping = _take_turn(live, rb, room, tokenizer)
         # Told with each step, the worker refuses an observation longer in characters than the episode's
-        # token budget could ever hold (2 x the tokenizer's longest entry per token, as for data rows), so
-        # what the trainer tokenizes is bounded by the budget, never by what the environment sent.
-        bounds = {e.env: 2 * (room(e) + len(e.ids)) * token_chars for e in stepping} if token_chars else None
+        # token budget could ever hold (`max_chars`, as for data rows), so what the trainer tokenizes is
+        # bounded by the budget, never by what the environment sent.
+        bounds = {e.env: max_chars(tokenizer, room(e) + len(e.ids)) for e in stepping} if measurable else None
         results = runner.call("step", {e.env: (e.texts[-1],) for e in stepping}, bounds)
         for e in stepping:
             status, out = results[e.env]
