@@ -40,6 +40,19 @@ def test_the_engine_dtype_cast_notices_are_one_count_and_other_warnings_stay():
     assert sum(quieted.values()) == 5 and len(quieted) == 3
 
 
+def test_the_ssm_cache_notice_is_kept_back_only_for_a_model_without_ssm_state():
+    """vLLM 0.32's CPU platform on an AVX512-BF16 CPU logs this for every model; the backend is 'none' when the
+    model has no SSM state (a dense or MoE transformer), a family name when it has one (still shown)."""
+    cpu, seen = _collect("vllm.platforms.cpu")
+    fmt = "Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'."
+    with quiet_build_logs() as quieted:
+        cpu.warning(fmt, "none")
+        cpu.warning(fmt, "nonemotron_h")  # a backend whose name starts alike: shown
+        cpu.warning(fmt, "mamba2")
+    assert seen == [fmt % "nonemotron_h", fmt % "mamba2"]
+    assert list(quieted.values()) == [1]
+
+
 def test_deprecation_warnings_of_vllm_modules_only_are_kept_back():
     def warn_from(module: str, category):
         exec(compile("warnings.warn('deprecated', category)", module, "exec"),

@@ -79,6 +79,10 @@ BUILD_NOTICES = (
     ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend",
      "the CPU build runs without Triton"),
     ("vllm.platforms.cpu", "Triton is not installed", "the CPU build runs without Triton"),
+    # On a CPU with AVX512-BF16 (or AMX) vLLM resets the SSM-state cache dtype for every model, and names the
+    # backend 'none' when the model has no SSM state at all; a model that has one still gets its notice.
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'",
+     "the model has no SSM state (vLLM's AVX512-BF16 CPU check)"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", "rlkit's build line names the runner"),
     ("vllm.config.vllm", "Enforce eager set", "rlkit runs the CPU engine eagerly (enforce_eager)"),
     ("vllm.config.vllm", "Inductor compilation was disabled", "rlkit runs the CPU engine eagerly"),
