@@ -127,26 +127,35 @@ def _worker(config: dict) -> None:
 
 
 def launch(cfg: RLConfig, num_processes: int) -> None:
-    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer."""
+    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer.
+
+    torch's launcher gives each rank a folder for its error file; without a log folder named it makes one under
+    the temp folder (`torchelastic_*`) and never removes it. Here that folder is temporary, removed when the run
+    ends however it ends (a failed rank's error is already read into the raised error by then)."""
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from rlkit.collectives import free_port
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=num_processes,
-        run_id=f"rlkit-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        monitor_interval=1,
-        # When a rank fails, the others get SIGTERM and this long to exit before SIGKILL (a stopped rank
-        # never exits by itself).
-        shutdown_timeout=max(1, int(cfg.trainer.collective_timeout_s)),
-    )
-    # The resolved config travels to the children, so they all agree on run_dir and every other value.
-    elastic_launch(config, _worker)(to_dict(cfg))
+    with tempfile.TemporaryDirectory(prefix="rlkit-launch-", ignore_cleanup_errors=True) as logs:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=num_processes,
+            run_id=f"rlkit-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            max_restarts=0,
+            monitor_interval=1,
+            # When a rank fails, the others get SIGTERM and this long to exit before SIGKILL (a stopped rank
+            # never exits by itself).
+            shutdown_timeout=max(1, int(cfg.trainer.collective_timeout_s)),
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        # The resolved config travels to the children, so they all agree on run_dir and every other value.
+        elastic_launch(config, _worker)(to_dict(cfg))
 
 
 def main_from_config(cfg: DictConfig) -> None:

@@ -121,9 +121,12 @@ def finish(proc: subprocess.Popen, timeout=900) -> str | None:
     return None if proc.returncode == 0 else text[-9000:]
 
 
-def launch(cwd, *args, timeout=600):
-    """`python -m rlkit.train ARGS` in a subprocess from `cwd`, as a user launches it; asserts it succeeds."""
+def launch(cwd, *args, timeout=600, tmpdir=None):
+    """`python -m rlkit.train ARGS` in a subprocess from `cwd`, as a user launches it; asserts it succeeds.
+    `tmpdir`: its temp folder (TMPDIR)."""
     env = dict(os.environ)
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     # Same thread count in every process: a random model's near-uniform sampling is sensitive to the
     # summation order of its softmax, which depends on the number of threads.
@@ -143,12 +146,16 @@ def launch(cwd, *args, timeout=600):
 def one_and_two_processes(tmp_path, common, keys, extra) -> dict[int, Path]:
     """Launch the overrides `common` (+ `extra[n]`) with 1 and with 2 processes, assert that the `keys` of their
     2 steps agree (rel 1e-4) and return {n: run directory}."""
-    runs = {}
+    runs, tmp = {}, tmp_path / "tmp"
+    tmp.mkdir()
     for n in (1, 2):
         run_dir = tmp_path / f"np{n}"
         args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
-        launch(tmp_path, *args, f"trainer.num_processes={n}", *extra[n])
+        launch(tmp_path, *args, f"trainer.num_processes={n}", *extra[n], tmpdir=tmp)
         runs[n] = run_dir
+    # torch's launcher leaves a log folder in the temp folder unless rlkit names one it removes (rlkit/train.py)
+    left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "rlkit-launch-"))]
+    assert left == [], left
     m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
     assert len(m1) == len(m2) == 2
     for a, b in zip(m1, m2):
