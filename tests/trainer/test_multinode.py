@@ -19,6 +19,7 @@ def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F8
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env["TMPDIR"] = str(tmp_path)  # torchrun's own log folder (torchelastic_*, never removed) lands here
     args = overrides(tiny, two, "rollout.seed_per_prompt=true", "trainer.strategy=fsdp2")
     port = free_port()
     # The README's line (`torchrun` is `python -m torch.distributed.run`); the rendezvous ranks the nodes.
