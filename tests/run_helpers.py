@@ -97,12 +97,28 @@ def checkpoint_weights(ckpt):
     return weights_dir(ckpt / "model")
 
 
+def launch_env(tmpdir=None) -> dict:
+    """The environment of a launched `python -m rlkit.train`: rlkit and the test fixtures importable, one
+    thread per process (a random model's near-uniform sampling is sensitive to the summation order of its
+    softmax, which depends on the number of threads), and `tmpdir` as its temp folder (TMPDIR) if given."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
+    return env
+
+
+def launcher_folders(tmpdir) -> list[str]:
+    """The folders torch's launcher left in `tmpdir` (it leaves one unless rlkit names one it removes:
+    rlkit/train.py::launch)."""
+    return [p.name for p in Path(tmpdir).iterdir() if p.name.startswith(("torchelastic_", "rlkit-launch-"))]
+
+
 def start(*args, cwd=REPO_ROOT) -> subprocess.Popen:
     """`python -m rlkit.train ARGS` started from `cwd` as `launch` does, not waited for: its output goes to a file
     (a pipe nobody reads while the test does other work would fill), which `finish` reads."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"  # as `launch`
+    env = launch_env()
     output = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlkit.train", *args], cwd=cwd, env=env, text=True, stdout=output,
@@ -124,13 +140,7 @@ def finish(proc: subprocess.Popen, timeout=900) -> str | None:
 def launch(cwd, *args, timeout=600, tmpdir=None):
     """`python -m rlkit.train ARGS` in a subprocess from `cwd`, as a user launches it; asserts it succeeds.
     `tmpdir`: its temp folder (TMPDIR)."""
-    env = dict(os.environ)
-    if tmpdir is not None:
-        env["TMPDIR"] = str(tmpdir)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    # Same thread count in every process: a random model's near-uniform sampling is sensitive to the
-    # summation order of its softmax, which depends on the number of threads.
-    env["OMP_NUM_THREADS"] = "1"
+    env = launch_env(tmpdir)
     proc = subprocess.run(
         [sys.executable, "-m", "rlkit.train", *args],
         cwd=cwd,
@@ -153,9 +163,7 @@ def one_and_two_processes(tmp_path, common, keys, extra) -> dict[int, Path]:
         args = [o if not o.startswith("trainer.run_dir") else f"trainer.run_dir={run_dir}" for o in common]
         launch(tmp_path, *args, f"trainer.num_processes={n}", *extra[n], tmpdir=tmp)
         runs[n] = run_dir
-    # torch's launcher leaves a log folder in the temp folder unless rlkit names one it removes (rlkit/train.py)
-    left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "rlkit-launch-"))]
-    assert left == [], left
+    assert launcher_folders(tmp) == []
     m1, m2 = read_jsonl(runs[1] / "metrics.jsonl")[1:], read_jsonl(runs[2] / "metrics.jsonl")[1:]
     assert len(m1) == len(m2) == 2
     for a, b in zip(m1, m2):

@@ -1,25 +1,20 @@
 """The README's multi-node launch line, with two local "nodes": two `torchrun --nnodes 2 --nproc-per-node 1`
 commands meeting at one c10d rendezvous, the learner on FSDP2 over gloo. Same metrics as one process."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from run_helpers import FIXTURES, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
+from run_helpers import FIXTURES, launch_env, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
 
 from rlkit.collectives import free_port
-from rlkit.config.schema import REPO_ROOT
 from rlkit.rundir import latest_checkpoint
 
 
 def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F811
     one, two = tmp_path / "one", tmp_path / "two"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env["TMPDIR"] = str(tmp_path)  # torchrun's own log folder (torchelastic_*, never removed) lands here
+    env = launch_env(tmp_path)  # torchrun's own log folder (torchelastic_*, never removed) lands in tmp_path
     args = overrides(tiny, two, "rollout.seed_per_prompt=true", "trainer.strategy=fsdp2")
     port = free_port()
     # The README's line (`torchrun` is `python -m torch.distributed.run`); the rendezvous ranks the nodes.

@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 import run_helpers
 import torch
-from run_helpers import FIXTURES, overrides, read_jsonl, run_args, train
+from run_helpers import launch_env, overrides, read_jsonl, run_args, train
 
-from rlkit.config.schema import REPO_ROOT
 from rlkit.rundir import latest_checkpoint, write_checksums
 
 tiny = run_helpers.tiny  # the tiny model fixture
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _steps(run_dir):
@@ -67,7 +59,7 @@ def test_sigterm_to_the_process_group_checkpoints_and_exits(tiny, tmp_path):
         "data.eval_size=0",  # no evaluation: every slow reward call is a step's
     )
     reward_log = tmp_path / "reward_pids"
-    env = {**_env(), "RLKIT_TEST_REWARD_LOG": str(reward_log)}
+    env = {**launch_env(), "RLKIT_TEST_REWARD_LOG": str(reward_log)}
     log = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlkit.train", *overrides(tiny, run_dir, "trainer.steps=500", *reward)],
@@ -181,7 +173,7 @@ def test_a_second_run_in_a_locked_run_dir_is_refused_and_a_dead_holder_frees_it(
     holder = subprocess.Popen(
         [sys.executable, "-c", f"import time; from rlkit.rundir import RunDirLock; lock = RunDirLock({str(run_dir)!r}); "
          "print('locked', flush=True); time.sleep(600)"],
-        env=_env(), stdout=subprocess.PIPE, text=True,
+        env=launch_env(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "locked"

@@ -10,9 +10,7 @@ import time
 from pathlib import Path
 
 import run_helpers
-from run_helpers import FIXTURES, overrides, read_jsonl
-
-from rlkit.config.schema import REPO_ROOT
+from run_helpers import launch_env, launcher_folders, overrides, read_jsonl
 
 tiny = run_helpers.tiny  # the tiny model fixture
 
@@ -80,11 +78,8 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
         tiny, run_dir, "trainer.steps=500", "trainer.num_processes=2", f"trainer.collective_timeout_s={timeout_s}",
         "trainer.eval_at_start=false",
     )  # fmt: skip
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(FIXTURES), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env["TMPDIR"] = str(tmp_path / "tmp")  # the launcher's temp folder, checked below
     (tmp_path / "tmp").mkdir()
+    env = launch_env(tmp_path / "tmp")  # the launcher's temp folder, checked below
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlkit.train", *args], env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -126,10 +121,7 @@ def test_a_stopped_rank_ends_every_rank_naming_it(tiny, tmp_path):
     assert f"ended rank 1 (pid {victim})" in text, text[-5000:]
     assert elapsed < 2 * timeout_s + 20, elapsed
     assert left == [], left
-    # torch's launcher leaves a log folder in the temp folder unless rlkit names one it removes (rlkit/train.py)
-    assert [
-        p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(("torchelastic_", "rlkit-launch-"))
-    ] == []
+    assert launcher_folders(tmp_path / "tmp") == []
 
 
 def test_rank_0_kills_only_a_process_it_names_for_certain():
