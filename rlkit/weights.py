@@ -82,15 +82,31 @@ def exported(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
     return out
 
 
+def reshard(module: torch.nn.Module) -> None:
+    """Put every FSDP2 module inside `module` back in its sharded state (a no-op without FSDP2).
+
+    After a forward without gradients FSDP2 leaves the root's parameters unsharded (it expects a backward to
+    follow), and an unsharded parameter is FSDP2's own buffer, which its next reshard frees by resizing the
+    storage to 0. Handed out, such a tensor would be freed under its holder (vLLM's reload buffers what it
+    loads), and one `.numpy()` of it (a digest) marks the storage non-resizable, so that FSDP2's next reshard
+    fails: "Trying to resize storage that is not resizable"."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def iter_full_parameters(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(clean HF name, full tensor) of `exported(module)`, one at a time.
 
-    FSDP2 parameters are DTensor shards: `full_tensor()` all-gathers just that one parameter, so peak
-    extra memory is one full parameter, never the whole model. Every rank must consume the iterator in
-    lock-step (each gather is a collective).
+    FSDP2 parameters are DTensor shards (resharded first: `reshard`): `full_tensor()` all-gathers just that
+    one parameter into a tensor of its own, so peak extra memory is one full parameter, never the whole
+    model. Every rank must consume the iterator in lock-step (each gather is a collective).
     """
     from torch.distributed.tensor import DTensor
 
+    reshard(module)
     for name, tensor in exported(module):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name, full.detach()

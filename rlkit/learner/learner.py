@@ -62,7 +62,7 @@ from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import eval_mode, load_causal_lm, load_value_model
 from rlkit.rundir import CheckpointError, latest_checkpoint
-from rlkit.weights import Export, iter_full_parameters, module_manifest
+from rlkit.weights import Export, iter_full_parameters, module_manifest, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
 
@@ -451,6 +451,7 @@ class Learner:
         ids = tokens.to(self.device)
         with eval_mode(self.model):
             logits = self.model(input_ids=ids, use_cache=False).logits.float()
+        reshard(self.model)  # no backward follows to free the root's gathered parameters
         return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
 
     def nonfinite_parameters(self) -> list[str]:

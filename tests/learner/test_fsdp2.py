@@ -166,7 +166,7 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
     from rlkit.models import load_tokenizer
     from rlkit.rollout.engines.base import Sampling
     from rlkit.rollout.engines.hf import HFEngine
-    from rlkit.weights import push_weights
+    from rlkit.weights import digest, probe_tokens, push_weights
 
     learner = Learner(learner_cfg(model_path=tok_dir, dtype=dtype, strategy="fsdp2", lr=1e-2))
     tokenizer = load_tokenizer(tok_dir)
@@ -175,15 +175,14 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
     sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=rank)
     rb = engine.generate(prompts, 2, sampling)
     g = torch.Generator().manual_seed(rank)
-    learner.update(
-        TrainBatch(
-            prompt_ids=rb.prompt_ids,
-            prompt_mask=rb.prompt_mask,
-            response_ids=rb.response_ids,
-            response_mask=rb.response_mask,
-            advantages=torch.randn(rb.response_ids.shape, generator=g),
-        )
+    batch = TrainBatch(
+        prompt_ids=rb.prompt_ids,
+        prompt_mask=rb.prompt_mask,
+        response_ids=rb.response_ids,
+        response_mask=rb.response_mask,
+        advantages=torch.randn(rb.response_ids.shape, generator=g),
     )
+    learner.update(batch)
 
     def kl(rollout):
         scored = learner.forward(rollout).logprobs
@@ -191,7 +190,15 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
 
     before = kl(rb)  # the learner moved, the engine did not
     push_weights(learner.export(), engine)
-    return {"before": before, "after": kl(engine.generate(prompts, 2, sampling))}
+    after = kl(engine.generate(prompts, 2, sampling))
+    # What a vLLM push does next: the log-prob probe (a forward without gradients, after which FSDP2 leaves the
+    # root's parameters gathered), then the export digested. Neither may hand out FSDP2's own gathered buffers:
+    # a digest's `.numpy()` of one made its storage non-resizable and the next backward's reshard failed.
+    export = learner.export()
+    export.probe(probe_tokens(tokenizer.vocab_size))
+    owned = [digest(t) for _, t in export.tensors()]
+    learner.update(batch)
+    return {"before": before, "after": after, "digests": len(owned)}
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +379,8 @@ def test_weight_push_from_sharded_learner_gives_zero_mismatch(fsdp2):
         assert abs(r["push"]["after"]) < PUSH_KL[dtype]
         # The check can fail: before the push they disagree by an order of magnitude more than it allows.
         assert abs(r["push"]["before"]) > 10 * PUSH_KL["bfloat16"]
+        # An update after the probe and the digests trained (the worker would have died in its backward).
+        assert r["push"]["digests"] > 0
 
 
 def test_strategy_validation_names_key_value_and_choices(tmp_path):

@@ -1,7 +1,7 @@
 """Training with `rollout.engine=vllm` on a tiny model, end to end: a run passes the weight-sync check at step 0
 and right after the first push (with a tight threshold), keeps the engine and the learner in agreement for 4
-steps, resumes exactly (2 steps + resume + 2 == 4 steps), and two processes with an engine each give the metrics
-of one. The runs of more than one process (2 learner ranks; async, whose rollout worker is a process of its own)
+steps, resumes exactly (2 steps + resume + 2 == 4 steps), and two FSDP2 processes with an engine each (what every
+multi-GPU run is) give the metrics of one, across a resume too. The runs of more than one process (2 learner ranks; async, whose rollout worker is a process of its own)
 are `python -m rlkit.train` launches as for a user; the one-process runs run in the test's process (vLLM is
 imported there already: a launch costs ~20 s of imports on 2 cores), with one thread as the launched ones."""
 
@@ -56,23 +56,28 @@ def _steps(run_dir: Path) -> list[dict]:
 
 # The straight run is also the sync reference of the async runs (their rollout-IS statistics included).
 SYNC = ("algo.rollout_is.enabled=true",)
+# Two learner ranks as every multi-GPU run has them (trainer.strategy=auto is FSDP2 on CUDA), each with its engine.
+TWO_FSDP2 = ("trainer.num_processes=2", "trainer.strategy=fsdp2")
 
 
 @pytest.fixture(scope="module")
 def straight_runs(tiny, tmp_path_factory):
-    """2 processes for 2 steps, launched; beside it, in this process: straight 4 steps, and 2 steps + resume + 2."""
+    """2 FSDP2 processes for 2 steps + resume + 1, launched; beside it, in this process: straight 4 steps, and 2
+    steps + resume + 2."""
     root = tmp_path_factory.mktemp("vllm_runs")
     straight, resumed, two = root / "straight", root / "resumed", root / "two"
     launched = None
     if not ONE_GPU_HOST:
-        launched = start(*_args(tiny, two, "trainer.steps=2", "trainer.num_processes=2", *SYNC))
+        launched = start(*_args(tiny, two, "trainer.steps=2", *TWO_FSDP2, *SYNC))
         if cuda_gpus():  # one after the other: every engine asks for its share of the GPU's free memory
             _wait(launched)
     run_args(_args(tiny, straight, *SYNC))
     run_args(_args(tiny, resumed, "trainer.steps=2", *SYNC))
     run_args(_args(tiny, resumed, "trainer.resume=auto", *SYNC))
-    if launched is not None and not launched.output.closed:
-        _wait(launched)
+    if launched is not None:
+        if not launched.output.closed:
+            _wait(launched)
+        _wait(start(*_args(tiny, two, "trainer.steps=3", "trainer.resume=auto", *TWO_FSDP2, *SYNC)))
     return _steps(straight), _steps(resumed), (None if ONE_GPU_HOST else _steps(two))
 
 
@@ -88,8 +93,8 @@ def test_training_with_vllm_syncs_resumes_and_splits_over_two_processes(straight
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (got["step"], k)
     if c is None:
         pytest.skip("two processes need two GPUs on CUDA (one GPU here); the one-process runs were checked")
-    assert len(c) == 2
-    for want, got in zip(a[:2], c):
+    assert [m["step"] for m in c] == [1, 2, 3]  # 2 steps, then resumed for the third
+    for want, got in zip(a[:3], c):
         for k in KEYS:
             assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), (got["step"], k)
 
