@@ -363,3 +363,22 @@ def make_tiny_checkpoint(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+# transformers' cache layer types whose layers carry a recurrent or convolution state from one position to the
+# next (gated DeltaNet linear attention, Mamba-2, short convolutions; "hybrid" layers hold one beside their KV):
+# the types transformers' cache gives conv/recurrent states (`cache_utils.get_layer_types_and_kwargs`).
+STATEFUL_LAYER_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
+
+
+def stateful_layers(config) -> list[str]:
+    """The layer types of a transformers config (its text model's, for a vision-language one) that carry state
+    from one position to the next, as transformers' cache reads them; [] for a pure attention model.
+
+    Such a layer sees every earlier token of its sequence through its state, not through an attention mask: a
+    packed row would start from the previous row's state (transformers' reference kernels take no sequence
+    boundaries), and its cache cannot be repeated for a prompt's samples."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    return sorted({t for t in get_layer_types_and_kwargs(text)[0] if t in STATEFUL_LAYER_TYPES})

@@ -38,6 +38,19 @@ the same push and the same checks (digests and probe) in its own process. Whole 
 Mixture-of-experts models train without the router's auxiliary (load-balancing) loss: rlkit's loss is built
 from the log-probs alone, and the learner turns `output_router_logits` off, so no router logits are computed.
 The experts are sharded by FSDP2 like every parameter (`tests/learner/test_fsdp2_moe.py`).
+
+Hybrid families (Qwen3.5 text, dense and MoE; Qwen3-Next; LFM2; Nemotron-H: 2 layers, one with a gated DeltaNet,
+a short convolution or a Mamba-2 mixer, one with attention) carry a recurrent or convolution state from one
+position to the next. The HF engine samples them (the prompt is prefilled once per sample: transformers cannot
+repeat such a cache) with the learner's log-probs on left-padded prompts; vLLM is refused before it builds
+anything (the reason in the table), and `rollout.engine=auto` picks the HF engine for them. Routing replay is
+not implemented yet.
+
+Packing (`trainer.pack_sequences`): for every family the learner's packed and padded layouts give each row's
+log-probs and gradients as the row run alone (`tests/learner/test_packing_families.py`), or packing is off for
+the model, said once at start-up: the hybrids (a packed row would start from the previous row's state, which
+the test shows), and any model whose two short rows packed score differently from each alone, measured on the
+model at start-up (gpt-oss: its eager attention with sinks misses the restarting positions in transformers 5.19).
 """
 
 STATUS = {"trains": "trains", "refused": "refused at start-up"}
@@ -57,7 +70,8 @@ def render(data: dict) -> str:
     ]
     for name, (cls, _) in FAMILIES.items():
         row = data["families"][name]
-        gaps = f"{row['load_gap']:.1e}" + (f" / {row['push_gap']:.1e}" if "push_gap" in row else "")
+        gaps = f"{row['load_gap']:.1e}" if "load_gap" in row else "-"  # refused before vLLM loaded it
+        gaps += f" / {row['push_gap']:.1e}" if "push_gap" in row else ""
         vllm = STATUS[row["vllm"]]
         why = row.get("reason", "").replace("|", "/") + (
             "; else rollout.engine=hf" if row["vllm"] != "trains" else ""

@@ -29,6 +29,16 @@ _MLA = dict(
     num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1,
 )  # fmt: skip
 
+# Hybrid families: a gated DeltaNet (linear attention) layer, then a gated full-attention layer.
+_LINEAR_ATTN = dict(
+    layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+)  # fmt: skip
+_SHARED_MOE = dict(
+    moe_intermediate_size=EXPERT_FFN, shared_expert_intermediate_size=EXPERT_FFN, num_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+)  # fmt: skip
+
 # display name -> (transformers config class, keywords). Each family's own features are on.
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama3": ("LlamaConfig", dict(
@@ -71,8 +81,18 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # V2-Lite's shape: no q compression, greedy routing in one group
     "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)),
     "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=64, n_group=2, topk_group=1, topk_method="noaux_tc")),  # noaux_tc
+    # Hybrids: layers that carry a recurrent or convolution state beside attention layers (HYBRID below).
+    "qwen3.5-text": ("Qwen3_5TextConfig", dict(_DENSE, head_dim=HEAD_DIM, **_LINEAR_ATTN)),  # gated DeltaNet
+    "qwen3.5-moe-text": ("Qwen3_5MoeTextConfig", dict(_ATTN, head_dim=HEAD_DIM, **_LINEAR_ATTN, **_SHARED_MOE)),
+    "qwen3-next": ("Qwen3NextConfig", dict(_DENSE, head_dim=HEAD_DIM, **_LINEAR_ATTN, **_SHARED_MOE)),
+    "lfm2": ("Lfm2Config", dict(_DENSE, layer_types=["conv", "full_attention"])),  # short convolutions
+    "nemotron-h": ("NemotronHConfig", dict(  # Mamba-2 + attention
+        _DENSE, head_dim=HEAD_DIM, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=32,
+        ssm_state_size=16, n_groups=1,
+    )),
 }  # fmt: skip
 MOE = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v2", "deepseek-v3")
+HYBRID = ("qwen3.5-text", "qwen3.5-moe-text", "qwen3-next", "lfm2", "nemotron-h")
 
 
 def family_config(name: str, tokenizer=None):

@@ -51,6 +51,7 @@ from rlkit.learner.batching import (
     MiniBatch,
     microbatches,
     model_inputs,
+    packing,
     padding_micro,
     plan_minibatches,
 )
@@ -94,6 +95,7 @@ class Learner:
             m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu"
         )
         policy.config.use_cache = False
+        self.packed = packing(t.pack_sequences, policy)
         # Mixture-of-experts: no router auxiliary (load-balancing) loss. rlkit's loss is built from the
         # log-probs alone and transformers adds that term only to its own `loss` (with labels, which rlkit never
         # passes); router logits are not even returned, so none are computed for nothing (docs: Supported models).
@@ -143,7 +145,7 @@ class Learner:
 
     def _scores(self, model, m: Micro, *, entropy: bool, entropy_grad: bool = False):
         r, t = self.cfg.rollout, self.cfg.trainer
-        inp = model_inputs(m, packed=t.pack_sequences, device=self.device)
+        inp = model_inputs(m, packed=self.packed, device=self.device)
         return score(
             model, self.accelerator.unwrap_model(model), inp, temperature=r.temperature, top_k=r.top_k,
             top_p=r.top_p, chunk_tokens=t.logprob_chunk_tokens, entropy=entropy, entropy_grad=entropy_grad,
@@ -151,7 +153,7 @@ class Learner:
         )  # fmt: skip
 
     def _values(self, m: Micro) -> Tensor:
-        inp = model_inputs(m, packed=self.cfg.trainer.pack_sequences, device=self.device)
+        inp = model_inputs(m, packed=self.packed, device=self.device)
         return critic_values(self.value_model, inp)
 
     @torch.no_grad()
@@ -182,9 +184,7 @@ class Learner:
         }  # fmt: skip
         out = {k: torch.zeros(n, t_full, device=self.device) for k, on in wanted.items() if on}
         t = self.cfg.trainer
-        micros = microbatches(
-            rows, t.max_tokens_per_microbatch, packed=t.pack_sequences, skip_empty=skip_empty
-        )
+        micros = microbatches(rows, t.max_tokens_per_microbatch, packed=self.packed, skip_empty=skip_empty)
         count = all_reduce(
             torch.tensor([len(micros)], device=self.device),
             self.world_size,
@@ -240,7 +240,7 @@ class Learner:
         """This rank's rows as `mini_batches` mini-batches of micro-batches (collectives: every rank calls it)."""
         t = self.cfg.trainer
         return plan_minibatches(
-            batch, mini_batches, max_tokens=t.max_tokens_per_microbatch, packed=t.pack_sequences,
+            batch, mini_batches, max_tokens=t.max_tokens_per_microbatch, packed=self.packed,
             agg_mode=self.algo.loss_agg_mode, norm_len=self.derived.norm_len, world=self.world_size, device=self.device,
         )  # fmt: skip
 
@@ -350,7 +350,7 @@ class Learner:
         rank's (real tokens, tokens run, model FLOPs of the real tokens), host numbers."""
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         real = run = flops = 0.0
-        packed = self.cfg.trainer.pack_sequences
+        packed = self.packed
         for i, m in enumerate(mb.micros):
             with self._no_sync(last=i == len(mb.micros) - 1):
                 loss, metrics, weight = self._micro_loss(m, mb, scores)

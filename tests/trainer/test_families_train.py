@@ -126,3 +126,25 @@ def test_a_push_that_drifts_stops_the_run_at_the_batch_it_samples(tmp_path, monk
     assert gap > 100 * 1e-4  # the drift, not fp32 noise (1e-7)
     assert len(calls) == 3  # the start-up push, version 1's and version 2's; no step after the check
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1]  # step 1 logged, step 2 not
+
+
+def test_a_hybrid_family_trains_on_the_engine_auto_picks_with_packing_turned_off(tmp_path, caplog):
+    """Qwen3.5 (gated DeltaNet beside gated attention), as a user would start it: `rollout.engine=auto` picks the HF
+    engine (vLLM refuses layers with state across positions, naming why), `trainer.pack_sequences=true` is turned
+    off with one INFO line (a packed row would start from the previous row's state), and the engine's log-probs
+    are the learner's after every push (fp32), on the left-padded prompts of different lengths the task gives."""
+    import logging
+
+    ckpt = build_family("qwen3.5-text", tmp_path / "qwen3.5-text")
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO):
+        vllm_only = ("rollout.engine=", "+rollout.engine_kwargs.")
+        args = [a for a in _args(ckpt, run_dir) if not a.startswith(vllm_only)]
+        run_args([*args, "rollout.engine=auto", "trainer.pack_sequences=true"])
+    picked = [r.message for r in caplog.records if "rollout.engine=auto picked" in r.message]
+    assert len(picked) == 1 and "picked hf" in picked[0] and "linear_attention" in picked[0], picked
+    assert [r for r in caplog.records if "packing is off for this model" in r.message]
+    steps = _steps(run_dir)
+    assert [m["step"] for m in steps] == [1, 2] and steps[0]["grad_norm"] > 0
+    for m in steps:
+        assert abs(m["mismatch/kl"]) < 1e-5 and m["mismatch/logprob_abs_diff"] < 1e-4

@@ -5,7 +5,8 @@ because the engine must know exactly which distribution every token was drawn fr
 every sequence ended: with `generate`, a tokenizer whose pad token is its EOS token (SmolLM2)
 makes a finished sequence's padding indistinguishable from its EOS, and stop strings do not say
 which row they stopped. The loop is the same arithmetic as `generate`: the prompt is prefilled
-once per prompt (its KV cache is then repeated for the `n` samples), then one forward per token.
+once per prompt (its KV cache is then repeated for the `n` samples; once per sample for a model whose layers
+carry a recurrent or convolution state, which transformers' cache cannot repeat), then one forward per token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from rlkit.batch import RolloutBatch
-from rlkit.models import load_causal_lm, load_tokenizer
+from rlkit.models import load_causal_lm, load_tokenizer, stateful_layers
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
 from rlkit.weights import PushGuard, check_manifest, digest, module_manifest
 
@@ -79,6 +80,8 @@ class HFEngine:
         if not self.eos_ids:
             raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
         self.context = getattr(model.config, "max_position_embeddings", None)
+        # Layers with a state across positions (hybrid families): the prompt is prefilled once per sample.
+        self.stateful = bool(stateful_layers(model.config))
         self._sleeping = False
 
         self.manifest = module_manifest(self.model)  # what a weight push must bring
@@ -134,14 +137,15 @@ class HFEngine:
             mask[i, width - len(p) :] = 1
         # Left padding: real tokens get positions 0..len-1, exactly as in the learner's forward.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self.stateful:  # transformers cannot repeat a recurrent/convolution state: each sample prefills
+            ids, mask, positions, plens = (x.repeat_interleave(n, 0) for x in (ids, mask, positions, plens))
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].repeat_interleave(n, 0)
-        mask = mask.repeat_interleave(n, 0)
-        plens = plens.repeat_interleave(n, 0)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        if not self.stateful:
+            cache.batch_repeat_interleave(n)
+            logits, mask, plens = (x.repeat_interleave(n, 0) for x in (logits, mask, plens))
 
         num = logits.shape[0]
         # A row also ends at the model's context (finish reason "length"), as vLLM does.

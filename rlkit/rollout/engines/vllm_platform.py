@@ -11,7 +11,7 @@ import os
 import torch
 
 from rlkit.collectives import free_port
-from rlkit.models import resolve_model
+from rlkit.models import resolve_model, stateful_layers
 from rlkit.rollout.engines.vllm_logs import quiet_build_logs
 
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -88,7 +88,8 @@ def vllm_default(name: str):
 @quiet_build_logs()  # the first vLLM import of a run (the start-up checks): its Triton notices
 def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
-    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512).
+    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512); never a
+    model with layers that carry state across positions (hybrid families: see the message).
 
     Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
     try:
@@ -99,6 +100,14 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     kind = current_platform.device_type
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
         return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
+    stateful = stateful_layers(hf_config(model_path)) if model_path is not None else []
+    if stateful:
+        return False, (
+            f"the model's {'/'.join(stateful)} layers carry a recurrent or convolution state (a hybrid family), "
+            "which rlkit does not yet run on vLLM: vLLM 0.32 needs chunked prefill for such a cache (rlkit turns "
+            "it off for whole, seeded prefills) and its prefix cache would keep states computed with the weights "
+            "of before a push; the HF engine trains these families"
+        )
     if current_platform.is_cpu() and model_path is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
