@@ -44,7 +44,10 @@ a short convolution or a Mamba-2 mixer, one with attention) carry a recurrent or
 position to the next. The HF engine samples them (the prompt is prefilled once per sample: transformers cannot
 repeat such a cache) with the learner's log-probs on left-padded prompts; vLLM is refused before it builds
 anything (the reason in the table), and `rollout.engine=auto` picks the HF engine for them. Routing replay is
-not implemented yet.
+not implemented yet. A vision-language Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`, the hub's default)
+trains on text as its language model: transformers loads it as `Qwen3_5ForCausalLM`, which computes exactly what
+the VL model computes on text; rlkit's checkpoints then hold the language model alone, without the vision tower
+(`tests/rollout/test_vl_checkpoint_text.py`).
 
 Packing (`trainer.pack_sequences`): for every family the learner's packed and padded layouts give each row's
 log-probs and gradients as the row run alone (`tests/learner/test_packing_families.py`), or packing is off for

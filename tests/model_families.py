@@ -130,3 +130,25 @@ def build_family(name: str, directory, *, tokenizer_path: str = "smollm2-135m", 
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def learner_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The learner's arithmetic, written out: log_softmax of a transformers forward at the next tokens."""
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def sampled_gap(engine, model) -> float:
+    """Mean |dlogp| between the engine's log-probs of what it sampled (two prompts of different lengths, so one
+    is left-padded; two samples each) and the learner's arithmetic on each row alone, unpadded."""
+    from rlkit.rollout.engines.base import Sampling
+
+    prompts = [[1, 5, 9, 200, 300], [1, 7, 8]]
+    rb = engine.generate(prompts, 2, Sampling(temperature=1.0, max_new_tokens=6, seed=0))
+    gaps = []
+    for i in range(rb.response_ids.shape[0]):
+        prompt, keep = prompts[i // 2], rb.response_mask[i].bool()
+        row = torch.tensor([prompt + rb.response_ids[i][keep].tolist()])
+        gaps.append((learner_logprobs(model, row)[0, len(prompt) - 1 :] - rb.rollout_logprobs[i][keep]).abs())
+    return float(torch.cat(gaps).mean())

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from model_families import FAMILIES, build_family
+from model_families import FAMILIES, build_family, learner_logprobs, sampled_gap
 from vllm_import import import_vllm
 
 from rlkit.config.schema import REPO_ROOT
@@ -44,13 +44,6 @@ def family_ckpt(tmp_path_factory):
         return built[name]
 
     return get
-
-
-def learner_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The learner's arithmetic, written out: log_softmax of a transformers forward at the next tokens."""
-    with torch.no_grad():
-        logits = model(input_ids=tokens).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
 def _perturb(model, seed: int) -> None:
@@ -118,21 +111,6 @@ def vllm_outcome(ckpt: str) -> dict:
         return out
     finally:
         engine.close()
-
-
-def sampled_gap(engine, model) -> float:
-    """Mean |dlogp| between the engine's log-probs of what it sampled (two prompts of different lengths, so one
-    is left-padded; two samples each) and the learner's arithmetic on each row alone, unpadded."""
-    from rlkit.rollout.engines.base import Sampling
-
-    prompts = [[1, 5, 9, 200, 300], [1, 7, 8]]
-    rb = engine.generate(prompts, 2, Sampling(temperature=1.0, max_new_tokens=6, seed=0))
-    gaps = []
-    for i in range(rb.response_ids.shape[0]):
-        prompt, keep = prompts[i // 2], rb.response_mask[i].bool()
-        row = torch.tensor([prompt + rb.response_ids[i][keep].tolist()])
-        gaps.append((learner_logprobs(model, row)[0, len(prompt) - 1 :] - rb.rollout_logprobs[i][keep]).abs())
-    return float(torch.cat(gaps).mean())
 
 
 def hf_outcome(ckpt: str) -> str:
