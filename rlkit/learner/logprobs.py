@@ -20,10 +20,19 @@ The kept set is piecewise constant in z, so it contributes no gradient.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# FSDP2 warns, once per process, when a wrapped module's output holds a view (an in-place op on it would skip the
+# module's pre-backward hook). With `output_hidden_states` (the chunked head below) the embedding's output,
+# hidden_states[0], is such a view; rlkit reads only the last hidden state and writes into no output, so the
+# warning says nothing about this forward and would only reach every rank's console.
+warnings.filterwarnings(
+    "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning
+)
 
 
 @dataclass

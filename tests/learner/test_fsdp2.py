@@ -98,9 +98,18 @@ def local_numel(tensors) -> tuple[int, int]:
 
 
 def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
-    from torch.distributed.tensor import DTensor
+    import warnings
 
     init_worker_env(rank, world, port)
+    with warnings.catch_warnings(record=True) as caught:  # under the process's filters, as a run's console
+        out = _checks(rank, model_dir, tok_dir, out_dir, dtype)
+    out["warnings"] = [str(w.message) for w in caught]
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _checks(rank, model_dir, tok_dir, out_dir, dtype) -> dict:
+    from torch.distributed.tensor import DTensor
 
     def cfg(**kw):
         return learner_cfg(model_path=model_dir, **{**FULL_LOSS, "strategy": "fsdp2", "dtype": dtype, **kw})
@@ -140,8 +149,7 @@ def _worker(rank, world, port, model_dir, tok_dir, out_dir, dtype):
     critic = Learner(cfg(value_model=True, kl_coef=0.0))
     out["values"] = critic.forward(mine, values=True, policy=False).values
     out["push"] = _push_into_hf_engine(tok_dir, dtype, rank)
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    return out
 
 
 def _reuse_paths(config, rank: int) -> dict:
@@ -381,6 +389,14 @@ def test_weight_push_from_sharded_learner_gives_zero_mismatch(fsdp2):
         assert abs(r["push"]["before"]) > 10 * PUSH_KL["bfloat16"]
         # An update after the probe and the digests trained (the worker would have died in its backward).
         assert r["push"]["digests"] > 0
+
+
+def test_the_sharded_forward_and_update_print_no_fsdp2_view_warning(fsdp2):
+    """FSDP2 warns that a wrapped module returned a view (the embedding's output among the hidden states the
+    chunked head asks for): no in-place write follows in rlkit, so no rank's console shows it."""
+    _, ranks, _ = fsdp2
+    for r in ranks:
+        assert not [w for w in r["warnings"] if "returned a view tensor" in w], r["warnings"]
 
 
 def test_strategy_validation_names_key_value_and_choices(tmp_path):
