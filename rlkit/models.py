@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -126,6 +127,27 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, str | None]:
             f"(owner/name); short names: {sorted(EMBEDDED_MODELS)}"
         )
     return _check_hub_id(path), None
+
+
+SHAPE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "tie_word_embeddings",
+)  # fmt: skip
+
+
+def model_shape(path: str | os.PathLike) -> dict:
+    """The architecture of the model at `path` (see `resolve_model`): the SHAPE_KEYS its config.json sets
+    (nested text configs are not looked into; a GGUF file gives {})."""
+    directory, gguf_file = resolve_model(path)
+    if gguf_file is not None:
+        return {}
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        from huggingface_hub import hf_hub_download
+
+        config = Path(hf_hub_download(directory, "config.json"))
+    data = json.loads(config.read_text())
+    return {k: data[k] for k in SHAPE_KEYS if k in data}
 
 
 def _check_hub_id(repo_id: str) -> str:
