@@ -199,6 +199,8 @@ def unwritable(run_dir: Path) -> str | None:
         return f"{target} is a file, not a directory"
     while not target.exists() and target != target.parent:
         target = target.parent
+    if (kind := filesystem_type(target)) in PSEUDO_FILESYSTEMS:
+        return f"{target} is on a {kind} file system (a kernel interface), not one that holds files"
     if not os.access(target, os.W_OK | os.X_OK):
         return f"{target} is not writable: the run could not write its checkpoints there"
     return None
@@ -384,6 +386,8 @@ def damaged_weights(files: list[Path], root: Path) -> str | None:
 
     for path in files:
         rel = path.relative_to(root)
+        if not path.is_file():  # a link to a device, a named pipe: never opened
+            return f"{rel} is not a regular file"
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -400,6 +404,8 @@ def model_folder_problem(folder: str | Path) -> str | None:
     `*.safetensors` weights that are unreadable or not finite), naming the file; None when sound."""
     folder = Path(folder)
     for config in sorted(folder.glob("*.json")):
+        if not config.is_file():
+            return f"{config.name} is not a regular file"
         try:
             json.loads(config.read_text())
         except (ValueError, UnicodeDecodeError) as e:
@@ -407,14 +413,45 @@ def model_folder_problem(folder: str | Path) -> str | None:
     return damaged_weights(sorted(folder.glob("*.safetensors")), folder)
 
 
+# Kernel interfaces that answer access(2) "writable" for root but hold no files: a report written there is
+# refused by the kernel at the end of a run, or worse, reaches a kernel setting.
+PSEUDO_FILESYSTEMS = frozenset({
+    "sysfs", "proc", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "devpts",
+    "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "rpc_pipefs", "nsfs",
+})  # fmt: skip
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system holding the existing `path` (from /proc/self/mountinfo), or None."""
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(path), "", None
+    for line in mounts:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, line.split(" - ", 1)[1].split()[0]
+    return kind
+
+
 def unwritable_file(path: Path) -> str | None:
     """Why the file `path` could not be written (its folder, or the nearest one above that exists, is not
-    writable, or a part of it is a file), or None; the kernel is asked (`access(2)`), nothing is written."""
+    writable, or a part of it is a file; it is there and not a regular file; it is on a kernel interface
+    such as sysfs or procfs), or None; the kernel is asked (`access(2)`), nothing is written."""
+    if path.exists() and not path.is_file():
+        return f"{path} is not a regular file"
     target = path.parent
     while not target.exists() and target != target.parent:
         target = target.parent
     if not target.is_dir():
         return f"{target} is a file, not a directory"
+    if (kind := filesystem_type(target)) in PSEUDO_FILESYSTEMS:
+        return f"{target} is on a {kind} file system (a kernel interface), not one that holds files"
     if not os.access(target, os.W_OK | os.X_OK):
         return f"{target} is not writable"
     return None

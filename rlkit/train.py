@@ -42,11 +42,12 @@ register_configs()
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
     from rlkit import learner, trainer
-    from rlkit.config.rules import local_path_exists
+    from rlkit.config.rules import local_path_exists, model_folder_ok
     from rlkit.rollout import engines, evaluation, producer
     from rlkit.rollout.remote import client
 
     local_path_exists("model.path", cfg.model.path)
+    model_folder_ok("model.path", cfg.model.path)  # before any check loads its tokenizer or config
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
