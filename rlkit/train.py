@@ -207,8 +207,8 @@ class RunDirGuard(Callback):
     Hydra's and the preflight's errors."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        if os.environ.get("RANK", "0") != "0":
-            return
+        if os.environ.get("RANK", "0") != "0" or OmegaConf.select(config, "hydra.job.name") != "train":
+            return  # another rank of an external launcher, or rlkit.eval (its own output dir, no lock)
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).expanduser()
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
