@@ -10,7 +10,12 @@ The guards are checked on rank 0 before any model loads:
   lock never blocks a later run. A second run in the same directory is refused, naming the holder's pid.
 - A fresh run never mixes with an old one: `trainer.resume=none` in a directory that holds checkpoints or
   metrics is refused (choose a new `trainer.run_dir`, or `trainer.resume=auto` to continue).
-- A resume continues exactly or not at all: a checkpoint written by another number of processes is refused.
+- Nothing is written through a link: the files rlkit writes at the top of the run directory are opened with
+  O_NOFOLLOW as regular files with one link (`open_own`) or replaced through a new file (`write_own`); a
+  symlinked one (Hydra's train.log and .hydra/ included) is refused before Hydra writes (`check_own_files`).
+- A resume continues exactly or not at all: a checkpoint written by another number of processes, or by a
+  run whose model, algorithm, group size or critic differ (`RESUME_KEYS`), is refused naming both values.
+- A step written again never deletes the old folder: it is kept aside, with a warning (`keep_aside`).
 - A checkpoint can be trusted or is not used: `checksums.json`, written last into the temporary directory
   before the rename, records the size and sha256 of every other file (the HF export `model/` included).
   `trainer.resume=auto` takes the newest checkpoint that verifies (every file present, of its size and hash,
