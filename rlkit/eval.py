@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit.algos.evaluation import mean_and_spread, stderr
+from rlkit.config.rules import model_folder_ok
 from rlkit.config.schema import CONFIG_DIR, ConfigError, RLConfig, register_configs, to_dict
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model
 from rlkit.rollout.evaluation import EvalSettings, default_ks, per_prompt, summarize
@@ -86,6 +87,9 @@ def check_eval_model(spec: str) -> None:
     p = Path(spec).expanduser()
     if not p.is_dir():
         return  # a hub id or a short name
+    model_folder_ok(
+        "eval.model", str(p / "model" if (p / "model").is_dir() and not (p / "config.json").exists() else p)
+    )
     inside = p.name in ("model", "adapter") and (p.parent / CHECKSUMS).exists()  # a checkpoint's folder
     checkpoint = p.parent if inside else p
     if (checkpoint / CHECKSUMS).exists() or (checkpoint / TRAINER_STATE).exists():

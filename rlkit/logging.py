@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rlkit.rundir import SAMPLES_FILE
+from rlkit.rundir import METRICS_FILE, SAMPLES_FILE, open_own
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class MetricsLogger:
         self.backend = backend
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self._jsonl = open_own(self.run_dir / METRICS_FILE, "a")  # never through a symlink
         self.run = None
         self.run_id: str | None = resume_id
         if backend == "wandb":
@@ -177,7 +177,7 @@ class MetricsLogger:
         `samples/<kind>` (train or eval) at `step`."""
         if not rows:
             return
-        with open(self.run_dir / SAMPLES_FILE, "a") as f:
+        with open_own(self.run_dir / SAMPLES_FILE, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         if self.run is not None:

@@ -19,9 +19,12 @@ import copy
 import dataclasses
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -128,6 +131,27 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, str | None]:
     return _check_hub_id(path), None
 
 
+SHAPE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "tie_word_embeddings",
+)  # fmt: skip
+
+
+def model_shape(path: str | os.PathLike) -> dict:
+    """The architecture of the model at `path` (see `resolve_model`): the SHAPE_KEYS its config.json sets
+    (nested text configs are not looked into; a GGUF file gives {})."""
+    directory, gguf_file = resolve_model(path)
+    if gguf_file is not None:
+        return {}
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        from huggingface_hub import hf_hub_download
+
+        config = Path(hf_hub_download(directory, "config.json"))
+    data = json.loads(config.read_text())
+    return {k: data[k] for k in SHAPE_KEYS if k in data}
+
+
 def _check_hub_id(repo_id: str) -> str:
     from huggingface_hub import hf_hub_download
 
@@ -159,29 +183,161 @@ _PARSED: dict[tuple, _Parsed] = {}
 """Parsed tokenizers by what they were parsed from (`_files_key`); at most `_PARSED_MAX`, the oldest dropped
 first."""
 _PARSED_MAX = 4
-_NOT_READ = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
-"""Weight files, which a tokenizer is not parsed from: left out of `_files_key` (but a GGUF file it is
-parsed from)."""
 _HASHED_MAX = 256 << 20
+
+# -- the files of a model folder -------------------------------------------------------------------------
+# Only the files a tokenizer or a model reads are keyed and read, and only as regular files of a bounded size
+# (following links: the hub's cache links every file to a blob): a link to /dev/zero would be read until
+# memory ran out, a named pipe would block start-up forever.
+
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "chat_template.json", "config.json", "generation_config.json",
+})  # fmt: skip
+TOKENIZER_SUFFIXES = (
+    ".jinja",
+    ".model",
+    ".tiktoken",
+)  # chat templates, sentencepiece and tiktoken vocabularies
+TEMPLATE_DIRS = ("additional_chat_templates",)
+FILE_MAX = 1 << 30
+"""A tokenizer or config file larger than this is refused (the largest tokenizer.json known is ~35 MB)."""
+HEADER_MAX = 100 << 20  # safetensors' own limit on a header
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+class ModelFolderError(ValueError):
+    """A file of a model folder that rlkit does not read (not a regular file, too large, not what its name
+    says), or a config.json that disagrees with the weights; the message names the file or the key."""
+
+
+def regular_file(path: Path, limit: int | None = -1) -> os.stat_result:
+    """`path`'s stat (through links) when it is a regular file of at most `limit` bytes (-1: FILE_MAX; None: any
+    size), else ModelFolderError."""
+    limit = FILE_MAX if limit == -1 else limit
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelFolderError(f"{path} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a named pipe"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode)
+            else "not a file"
+        )
+        raise ModelFolderError(
+            f"{path} is {kind}{f' (a link to {os.path.realpath(path)})' if path.is_symlink() else ''}, not a "
+            "regular file: rlkit reads only regular files from a model folder"
+        )
+    if limit is not None and st.st_size > limit:
+        raise ModelFolderError(
+            f"{path} has {st.st_size} bytes, more than the {limit} a tokenizer or config file may"
+        )
+    return st
+
+
+def read_regular(path: Path, limit: int = -1) -> bytes:
+    """The bytes of the regular file `path` (`regular_file`), at most `limit` (-1: FILE_MAX)."""
+    limit = FILE_MAX if limit == -1 else limit
+    regular_file(path, limit)
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ModelFolderError(f"{path} grew past {limit} bytes while read")
+    return data
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The files of `folder` a tokenizer reads (TOKENIZER_FILES, TOKENIZER_SUFFIXES, TEMPLATE_DIRS), sorted."""
+    files = [f for f in folder.iterdir() if f.name in TOKENIZER_FILES or f.name.endswith(TOKENIZER_SUFFIXES)]
+    for sub in TEMPLATE_DIRS:
+        if (folder / sub).is_dir():
+            files += [f for f in (folder / sub).iterdir() if f.name.endswith(".jinja")]
+    return sorted(files)
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """The tensor shapes a safetensors file's header gives (nothing else is read); ModelFolderError naming the
+    file when it is not a safetensors file."""
+    size = regular_file(path, None).st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(HEADER_MAX, size - 8):
+            raise ModelFolderError(
+                f"{path} is not a safetensors file (its first 8 bytes give a header of {n} bytes; the file has {size})"
+            )
+        try:
+            header = json.loads(f.read(n))
+            return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelFolderError(
+                f"{path} is not a safetensors file (its header does not parse: {e})"
+            ) from None
+
+
+def check_sizes(config: dict, shapes: dict[str, list[int]], folder: Path) -> None:
+    """config.json's sizes against the weights' shapes (safetensors headers): the number of layers, and the
+    embedding's rows and width; a mismatch is a ModelFolderError naming the key and both numbers (a config
+    with absurd sizes would otherwise build for minutes before the load failed)."""
+    layers = {int(m.group(1)) for name in shapes if (m := LAYER_RE.search(name))}
+    n = config.get("num_hidden_layers")
+    if layers and isinstance(n, int) and n != max(layers) + 1:
+        raise ModelFolderError(
+            f"{folder / 'config.json'}: num_hidden_layers={n}, but the weights hold {max(layers) + 1} layers"
+        )
+    embed = next((s for k, s in shapes.items() if k.endswith(("embed_tokens.weight", "wte.weight"))), None)
+    if embed is not None and len(embed) == 2:
+        for key, got in (("vocab_size", embed[0]), ("hidden_size", embed[1])):
+            if isinstance(config.get(key), int) and config[key] != got:
+                raise ModelFolderError(
+                    f"{folder / 'config.json'}: {key}={config[key]}, but the weights' embedding has {got}"
+                )
+
+
+def check_model_folder(path: str | os.PathLike) -> None:
+    """Before a model of `path` loads (a local folder; hub ids and GGUF files are left to their loaders): its
+    tokenizer and config files are regular files of a bounded size, config.json parses, every *.safetensors
+    is a safetensors file, and config.json's sizes agree with the weights' shapes. ModelFolderError names
+    the file or key."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return
+    for f in tokenizer_files(folder):
+        regular_file(f)
+    config = {}
+    if (folder / "config.json").exists() or (folder / "config.json").is_symlink():
+        try:
+            config = json.loads(read_regular(folder / "config.json"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ModelFolderError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        shapes.update(safetensors_shapes(f))
+    if isinstance(config, dict):
+        check_sizes(config, shapes, folder)
+
+
+_NOT_READ = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
 
 
 def _files_key(folder: Path, gguf_file: str | None) -> tuple:
-    """What a tokenizer parsed from `folder` depends on: the sha256 of each of its files but the weights
-    (`_NOT_READ`), and the size and mtime of the GGUF file it is parsed from or of a file over 256 MiB (those
-    tie the key to the folder). Folders with the same tokenizer files share one parse: a run's checkpoints,
-    the tests' tiny models. Raises OSError for a file it cannot read (a broken link)."""
+    """What a tokenizer parsed from `folder` depends on: the sha256 of each file it reads (`tokenizer_files`:
+    regular files of at most FILE_MAX bytes, else ModelFolderError naming the file), and the size and mtime of
+    the GGUF file it is parsed from or of a file over 256 MiB (those tie the key to the folder). Folders with
+    the same tokenizer files share one parse: a run's checkpoints, the tests' tiny models. Raises OSError
+    when `folder` cannot be listed (a hub id)."""
     parts = []
-    for f in sorted(folder.iterdir()):
-        if f.is_dir():  # additional_chat_templates/, or anything else a tokenizer might read
-            parts.append((f.name, _files_key(f, None)))
-            continue
-        if f.name.endswith(_NOT_READ) and f.name != gguf_file:
-            continue
-        st = f.stat()
+    files = tokenizer_files(folder) + ([folder / gguf_file] if gguf_file else [])
+    for f in files:
+        st = regular_file(f, None if f.name == gguf_file else -1)
+        name = f.relative_to(folder).as_posix()
         if f.name == gguf_file or st.st_size > _HASHED_MAX:
             parts.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
         else:
-            parts.append((f.name, hashlib.sha256(f.read_bytes()).hexdigest()))
+            parts.append((name, hashlib.sha256(read_regular(f)).hexdigest()))
     return (gguf_file, tuple(parts))
 
 

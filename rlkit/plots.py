@@ -11,6 +11,8 @@ import math
 import re
 from pathlib import Path
 
+from rlkit.rundir import open_own
+
 log = logging.getLogger(__name__)
 
 # One panel per entry: (title, metric keys drawn in it). Keys missing from a run are skipped, and a
@@ -107,8 +109,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
         ax.axis("off")
     fig.suptitle(run_dir.name)
     fig.tight_layout()
-    out = Path(out) if out is not None else run_dir / "curves.png"
-    fig.savefig(out, dpi=110)
+    if out is None:  # the run directory's own file: never written through a symlink
+        out = run_dir / "curves.png"
+        with open_own(out, "wb") as f:
+            fig.savefig(f, dpi=110, format="png")
+    else:
+        out = Path(out)
+        fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 

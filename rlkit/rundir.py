@@ -10,7 +10,12 @@ The guards are checked on rank 0 before any model loads:
   lock never blocks a later run. A second run in the same directory is refused, naming the holder's pid.
 - A fresh run never mixes with an old one: `trainer.resume=none` in a directory that holds checkpoints or
   metrics is refused (choose a new `trainer.run_dir`, or `trainer.resume=auto` to continue).
-- A resume continues exactly or not at all: a checkpoint written by another number of processes is refused.
+- Nothing is written through a link: the files rlkit writes at the top of the run directory are opened with
+  O_NOFOLLOW as regular files with one link (`open_own`) or replaced through a new file (`write_own`); a
+  symlinked one (Hydra's train.log and .hydra/ included) is refused before Hydra writes (`check_own_files`).
+- A resume continues exactly or not at all: a checkpoint written by another number of processes, or by a
+  run whose model, algorithm, group size or critic differ (`RESUME_KEYS`), is refused naming both values.
+- A step written again never deletes the old folder: it is kept aside, with a warning (`keep_aside`).
 - A checkpoint can be trusted or is not used: `checksums.json`, written last into the temporary directory
   before the rename, records the size and sha256 of every other file (the HF export `model/` included).
   `trainer.resume=auto` takes the newest checkpoint that verifies (every file present, of its size and hash,
@@ -32,6 +37,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -46,19 +52,106 @@ CHECKSUMS = "checksums.json"  # size and sha256 of every other file of a checkpo
 PENDING_FILE = "rollouts.safetensors"  # async: batches generated and not trained yet (tensors only)
 
 
+# What rlkit (and Hydra, for rlkit) writes at the top of a run directory: none of them may be a symlink (a
+# directory prepared by someone else could otherwise have the run overwrite any file its user can write).
+OWN_FILES = (LOCK_FILE, METRICS_FILE, SAMPLES_FILE, "config.json", "curves.png", "train.log")
+OWN_DIRS = (CHECKPOINTS, ".hydra")
+# Set by a launcher that holds a run directory's lock for its ranks: "<pid>:<run dir>" (rlkit.train.launch).
+LOCK_HOLDER_ENV = "RLKIT_RUN_DIR_LOCK_HOLDER"
+
+
+class RunDirError(RuntimeError):
+    """A run directory's file is not one rlkit may write (a symlink, a pipe, a hard link)."""
+
+
+def open_own(path: str | Path, mode: str = "a"):
+    """Open a file rlkit writes in a run directory, never through a symlink (O_NOFOLLOW), and only a regular
+    file with one link: anything else is refused naming the path. `mode`: "a" (append, created), "a+"
+    (read and append), "w" / "wb" (truncated)."""
+    path = Path(path)
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    flags |= os.O_RDWR if "+" in mode else os.O_WRONLY
+    flags |= os.O_APPEND if mode.startswith("a") else 0
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunDirError(
+                f"{path} is a symlink: rlkit does not write through symlinks in a run directory (it could "
+                "overwrite a file elsewhere). Remove it, or choose another trainer.run_dir."
+            ) from None
+        if e.errno == errno.ENXIO:  # a named pipe without a reader (O_NONBLOCK: refused, never waited on)
+            raise RunDirError(
+                f"{path} is not a regular file: rlkit writes only its own regular files in a run directory. "
+                "Remove it, or choose another trainer.run_dir."
+            ) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a hard link ({st.st_nlink} names)"
+        raise RunDirError(
+            f"{path} is {what}: rlkit writes only its own regular files in a run directory. Remove it, or "
+            "choose another trainer.run_dir."
+        )
+    os.set_blocking(fd, True)
+    if mode.startswith("w"):
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, mode)
+
+
+def write_own(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a new temporary file renamed over it: a symlink at `path` is replaced,
+    never followed, and a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def check_own_files(run_dir: str | Path) -> None:
+    """Refuse a run directory where a file or folder rlkit writes (OWN_FILES, OWN_DIRS) is a symlink, or a
+    file it writes is not a regular file, naming it."""
+    run_dir = Path(run_dir)
+    for name in OWN_FILES + OWN_DIRS:
+        path = run_dir / name
+        if path.is_symlink():
+            raise RunDirError(
+                f"{path} is a symlink (to {os.readlink(path)}): rlkit does not write through symlinks in a run "
+                "directory (it could overwrite a file elsewhere). Remove it, or choose another trainer.run_dir."
+            )
+        if name in OWN_FILES and path.exists() and not path.is_file():
+            raise RunDirError(f"{path} is not a regular file: remove it, or choose another trainer.run_dir.")
+
+
+_HANDOVER: dict[str, RunDirLock] = {}  # locks taken by the entry for the trainer, by resolved run directory
+
+
 class RunDirLock:
-    """An exclusive, non-blocking flock on `<run_dir>/rlkit.lock`, holding this process's pid."""
+    """An exclusive, non-blocking flock on `<run_dir>/rlkit.lock`, holding this process's pid. A process
+    may take the lock for the run it starts (`RunDirLock.for_run`: the Hydra entry, before Hydra writes), and the
+    run's trainer takes that same lock over (`RunDirLock.take`, once; a second trainer in the process is
+    refused as any other run). A rank whose launcher holds the lock for it (LOCK_HOLDER_ENV names the
+    launcher's pid and this directory, and the lock's holder is that pid, this process's parent) holds
+    nothing itself."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         path = self.run_dir / LOCK_FILE
-        self._file = open(path, "a+")
+        self._file = open_own(path, "a+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.seek(0)
             holder = self._file.read().strip() or "unknown"
             self._file.close()
+            self._file = None
+            if _held_by_launcher(self.run_dir, holder):
+                return
             raise RuntimeError(
                 f"trainer.run_dir={self.run_dir} is in use by another rlkit run (pid {holder}, lock {path}). "
                 "Wait for it to end, stop it, or choose another trainer.run_dir."
@@ -67,12 +160,38 @@ class RunDirLock:
         self._file.write(f"{os.getpid()}\n")
         self._file.flush()
 
+    @classmethod
+    def for_run(cls, run_dir: str | Path) -> RunDirLock:
+        """Take the lock for the run this process starts: its trainer takes it over (`take`)."""
+        key = str(Path(run_dir).resolve())
+        if key not in _HANDOVER:
+            _HANDOVER[key] = cls(run_dir)
+        return _HANDOVER[key]
+
+    @classmethod
+    def take(cls, run_dir: str | Path) -> RunDirLock:
+        """The lock `for_run` took on `run_dir` (handed over once), else a new one."""
+        held = _HANDOVER.pop(str(Path(run_dir).resolve()), None)
+        return held if held is not None and held._file is not None else cls(run_dir)
+
+    @staticmethod
+    def held(run_dir: str | Path) -> bool:
+        """Whether this process holds a lock on `run_dir` for the run it starts (`for_run`)."""
+        lock = _HANDOVER.get(str(Path(run_dir).resolve()))
+        return lock is not None and lock._file is not None
+
     def release(self) -> None:
         if self._file is not None:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def _held_by_launcher(run_dir: Path, holder: str) -> bool:
+    want = os.environ.get(LOCK_HOLDER_ENV, "")
+    pid, _, folder = want.partition(":")
+    return bool(pid) and holder == pid == str(os.getppid()) and Path(folder).resolve() == run_dir.resolve()
 
 
 def unwritable(run_dir: Path) -> str | None:
@@ -85,6 +204,8 @@ def unwritable(run_dir: Path) -> str | None:
         return f"{target} is a file, not a directory"
     while not target.exists() and target != target.parent:
         target = target.parent
+    if (kind := filesystem_type(target)) in PSEUDO_FILESYSTEMS:
+        return f"{target} is on a {kind} file system (a kernel interface), not one that holds files"
     if not os.access(target, os.W_OK | os.X_OK):
         return f"{target} is not writable: the run could not write its checkpoints there"
     return None
@@ -133,6 +254,45 @@ def check_world_size(checkpoint: str | Path, world_size: int) -> None:
         )
 
 
+# The keys a resumed run must share with the checkpoint it continues (its trainer_state.json records them as
+# "resume_keys"): another model, algorithm, group size or critic would continue a different run silently.
+RESUME_KEYS = (
+    "model.path", "model.shape", "model.lora.rank", "algo.adv_estimator", "algo.policy_loss",
+    "algo.value_model", "rollout.group_size",
+)  # fmt: skip
+
+
+def resume_record(config: dict, model_shape: dict) -> dict:
+    """The values of RESUME_KEYS for a run's `config` (as `to_dict` gives it) and its model's shape."""
+    record = {}
+    for key in RESUME_KEYS:
+        if key == "model.shape":
+            record[key] = model_shape
+            continue
+        value = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        record[key] = value
+    return record
+
+
+def check_resume_keys(checkpoint: str | Path, record: dict) -> None:
+    """Refuse to resume from `checkpoint` with a config that differs from the one that wrote it in a key of
+    RESUME_KEYS, naming the key and both values. A checkpoint written before rlkit recorded them is checked
+    for what its files show (a critic, `value_model/`)."""
+    checkpoint = Path(checkpoint)
+    saved = checkpoint_state(checkpoint).get("resume_keys")
+    if saved is None:
+        saved = {"algo.value_model": (checkpoint / "value_model").is_dir()}
+    for key in RESUME_KEYS:
+        if key in saved and saved[key] != record.get(key):
+            raise RuntimeError(
+                f"cannot resume from {checkpoint}: {key} was {saved[key]!r} in the run that wrote it, this run "
+                f"has {record.get(key)!r}; a resume continues the same run. Set {key} back, or start a new run "
+                "(another trainer.run_dir)."
+            )
+
+
 def truncate_metrics(run_dir: str | Path, step: int) -> int:
     """Cut `metrics.jsonl` (and `samples.jsonl`) back to the lines of steps 0..`step` (none when `step` is 0:
     the run starts over, step-0 eval included), dropping lines a torn write left unreadable. Returns the
@@ -155,9 +315,7 @@ def _truncate_jsonl(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+        write_own(path, "".join(keep))
         log.warning(
             "%s: dropped %d lines after step %d (the resumed run redoes those steps)", path, dropped, step
         )
@@ -233,6 +391,8 @@ def damaged_weights(files: list[Path], root: Path) -> str | None:
 
     for path in files:
         rel = path.relative_to(root)
+        if not path.is_file():  # a link to a device, a named pipe: never opened
+            return f"{rel} is not a regular file"
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -249,6 +409,8 @@ def model_folder_problem(folder: str | Path) -> str | None:
     `*.safetensors` weights that are unreadable or not finite), naming the file; None when sound."""
     folder = Path(folder)
     for config in sorted(folder.glob("*.json")):
+        if not config.is_file():
+            return f"{config.name} is not a regular file"
         try:
             json.loads(config.read_text())
         except (ValueError, UnicodeDecodeError) as e:
@@ -256,14 +418,45 @@ def model_folder_problem(folder: str | Path) -> str | None:
     return damaged_weights(sorted(folder.glob("*.safetensors")), folder)
 
 
+# Kernel interfaces that answer access(2) "writable" for root but hold no files: a report written there is
+# refused by the kernel at the end of a run, or worse, reaches a kernel setting.
+PSEUDO_FILESYSTEMS = frozenset({
+    "sysfs", "proc", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "devpts",
+    "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "rpc_pipefs", "nsfs",
+})  # fmt: skip
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system holding the existing `path` (from /proc/self/mountinfo), or None."""
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(path), "", None
+    for line in mounts:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, line.split(" - ", 1)[1].split()[0]
+    return kind
+
+
 def unwritable_file(path: Path) -> str | None:
     """Why the file `path` could not be written (its folder, or the nearest one above that exists, is not
-    writable, or a part of it is a file), or None; the kernel is asked (`access(2)`), nothing is written."""
+    writable, or a part of it is a file; it is there and not a regular file; it is on a kernel interface
+    such as sysfs or procfs), or None; the kernel is asked (`access(2)`), nothing is written."""
+    if path.exists() and not path.is_file():
+        return f"{path} is not a regular file"
     target = path.parent
     while not target.exists() and target != target.parent:
         target = target.parent
     if not target.is_dir():
         return f"{target} is a file, not a directory"
+    if (kind := filesystem_type(target)) in PSEUDO_FILESYSTEMS:
+        return f"{target} is on a {kind} file system (a kernel interface), not one that holds files"
     if not os.access(target, os.W_OK | os.X_OK):
         return f"{target} is not writable"
     return None
@@ -457,14 +650,32 @@ def commit_checkpoint(tmp: Path, final: Path, state: dict) -> None:
     """Write the trainer state, then the checksums of every file (last), then rename the checkpoint into place."""
     (tmp / TRAINER_STATE).write_text(json.dumps(state))
     write_checksums(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists() or final.is_symlink():
+        keep_aside(final)
     tmp.rename(final)
     fd = os.open(final.parent, os.O_RDONLY)  # the rename itself reaches the disk
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def keep_aside(final: Path) -> Path:
+    """Move the checkpoint folder `final` (a step being written again: the run resumed from an earlier one,
+    so `final` did not verify, or was passed over) out of the way, never deleting it: it is renamed to
+    `<name>.replaced-<n>` (the first free n) with a warning naming both. Pruning never touches it."""
+    n = 1
+    while (aside := final.with_name(f"{final.name}.replaced-{n}")).exists() or aside.is_symlink():
+        n += 1
+    problem = (
+        check_checkpoint(final, full=False) if final.is_dir() and not final.is_symlink() else "not a folder"
+    )
+    final.rename(aside)
+    log.warning(
+        "checkpoint %s is written again (%s): the old one is kept as %s; delete it when you have looked at it",
+        final, f"it did not verify: {problem}" if problem else "it was not the one resumed from", aside,
+    )  # fmt: skip
+    return aside
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from rlkit import envs, gcpolicy, rewards
+from rlkit import envs, gcpolicy, rewards, rundir
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
 
@@ -40,11 +42,12 @@ register_configs()
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
     from rlkit import learner, trainer
-    from rlkit.config.rules import local_path_exists
+    from rlkit.config.rules import local_path_exists, model_folder_ok
     from rlkit.rollout import engines, evaluation, producer
     from rlkit.rollout.remote import client
 
     local_path_exists("model.path", cfg.model.path)
+    model_folder_ok("model.path", cfg.model.path)  # before any check loads its tokenizer or config
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
@@ -155,6 +158,9 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
             logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         # The resolved config travels to the children, so they all agree on run_dir and every other value.
+        # The run directory's lock, taken by this process before Hydra wrote there, is held here for them.
+        if rundir.RunDirLock.held(cfg.trainer.run_dir):
+            os.environ[rundir.LOCK_HOLDER_ENV] = f"{os.getpid()}:{Path(cfg.trainer.run_dir).resolve()}"
         elastic_launch(config, _worker)(to_dict(cfg))
 
 
@@ -190,6 +196,32 @@ def one_run_dir(cfg: DictConfig) -> DictConfig:
         if hydra_cfg.mode == RunMode.RUN and Path(cfg.trainer.run_dir).resolve() != output_dir.resolve():
             cfg.trainer.run_dir = str(output_dir)
     return cfg
+
+
+class RunDirGuard(Callback):
+    """Hydra callback (configs/config.yaml, `hydra.callbacks.run_dir_guard`): before Hydra writes into the
+    run directory (`.hydra/`, `train.log`), refuse one where a file rlkit writes is a symlink and take the
+    run's lock (rlkit.rundir), so a second run in a directory a live run holds is refused having written
+    nothing there. The trainer reuses the lock (`RunDirLock.take`); a launcher holds it for its ranks. Under
+    an external launcher (torchrun) rank 0 takes it. A directory that cannot be made or written is left to
+    Hydra's and the preflight's errors."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        if os.environ.get("RANK", "0") != "0" or OmegaConf.select(config, "hydra.job.name") != "train":
+            return  # another rank of an external launcher, or rlkit.eval (its own output dir, no lock)
+        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).expanduser()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return
+        try:
+            rundir.check_own_files(run_dir)
+            rundir.RunDirLock.for_run(run_dir)  # held until the trainer takes it over, or the process ends
+        except RuntimeError as e:  # Hydra turns a callback's exception into a warning and goes on: exit here
+            print(f"Error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except OSError:  # unwritable: the preflight says so, naming trainer.run_dir
+            return
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)

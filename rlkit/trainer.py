@@ -38,7 +38,7 @@ from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
 from rlkit.metrics import run_summary, to_host, without_absent_tasks
-from rlkit.models import load_tokenizer
+from rlkit.models import load_tokenizer, model_shape
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.protocol import Rollouts
@@ -125,7 +125,11 @@ class Trainer:
                 tags=lc.tags, resume_id=self.wandb_id,
             )  # fmt: skip
             self.wandb_id = self.logger.run_id
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            rundir.write_own(self.run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
+
+    def resume_record(self) -> dict:
+        """What a checkpoint records of this run's config, for a resume to compare (rundir.RESUME_KEYS)."""
+        return rundir.resume_record(to_dict(self.cfg), model_shape(self.cfg.model.path))
 
     def _guard_run_dir(self):
         """Lock run_dir for this run, check what it holds and choose the checkpoint to resume from (the
@@ -134,11 +138,13 @@ class Trainer:
         lock = error = resume_from = None
         if self.is_main:
             try:
-                lock = rundir.RunDirLock(self.run_dir)
+                lock = rundir.RunDirLock.take(self.run_dir)
+                rundir.check_own_files(self.run_dir)
                 rundir.check_fresh_run(self.run_dir, self.cfg.trainer.resume)
                 resume_from = rundir.resume_path(self.run_dir, self.cfg.trainer.resume)
                 if resume_from is not None:
                     rundir.check_world_size(resume_from, self.world)
+                    rundir.check_resume_keys(resume_from, self.resume_record())
                 step = rundir.checkpoint_state(resume_from)["step"] if resume_from else 0
                 rundir.truncate_metrics(self.run_dir, step)
             except Exception as e:
@@ -231,6 +237,8 @@ class Trainer:
 
     def _write_checkpoint(self, tmp: Path, final: Path) -> None:
         if self.is_main:
+            if tmp.is_symlink():
+                tmp.unlink()
             shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
@@ -239,6 +247,7 @@ class Trainer:
         if self.is_main:
             self.tokenizer.save_pretrained(tmp / "model")
             state = {"step": self.step, **rollout_state, "wandb_id": self.wandb_id, "world_size": self.world}
+            state["resume_keys"] = self.resume_record()
             rundir.commit_checkpoint(tmp, final, state)
             rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
         self.accelerator.wait_for_everyone()

@@ -28,6 +28,7 @@ from rlkit.algos import advantages, correction, kl, losses
 from rlkit.config.derived import derive
 from rlkit.config.schema import ConfigError, RLConfig
 from rlkit.logging import BACKENDS
+from rlkit.models import ModelFolderError, check_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -399,6 +400,18 @@ def local_path_exists(key: str, path: str | None) -> None:
     """A value that looks like a local path (starts with / . or ~) must exist."""
     if path and path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
         raise ConfigError(f"{key}={path!r} does not exist (a local path: it starts with / . or ~)")
+
+
+def model_folder_ok(key: str, path: str | None) -> None:
+    """A local model folder's tokenizer and config files are regular files of a bounded size, its weights
+    safetensors files whose shapes agree with config.json (rlkit.models.check_model_folder); ConfigError
+    naming `key`, the file and, for a size, the config key."""
+    if not path:
+        return
+    try:
+        check_model_folder(path)
+    except ModelFolderError as e:
+        raise ConfigError(f"{key}={path!r}: {e}") from None
 
 
 def fits_type(value, tp) -> bool:

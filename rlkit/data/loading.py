@@ -7,9 +7,11 @@ code path as GSM8K from the hub. `check_config` checks the `data.*` keys before 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import random
 from pathlib import Path
 
 from rlkit.config.schema import ConfigError, DataConfig
@@ -79,8 +81,10 @@ def _usable(ds, cfg: DataConfig, where: list[str] | None, split: str):
     """`ds` without the rows whose prompt is not a non-empty string or whose answer is null or empty
     (a null question would otherwise be trained on as the text "None"); the skip is counted and logged
     with the first few rows. Raises when no row is left."""
-    if where is not None and len(where) != len(ds):
-        where = None  # not the rows we scanned: fall back to row numbers
+    if where is not None and len(where) != len(ds):  # _load_local makes sure they agree
+        raise DataError(
+            f"split {split!r} of data.path={cfg.path!r}: {len(ds)} rows loaded, {len(where)} in the files"
+        )
     bad = []
     for i, (q, a) in enumerate(zip(ds[cfg.prompt_key], ds[cfg.answer_key])):
         if not isinstance(q, str) or not q.strip():
@@ -126,15 +130,31 @@ def _local_data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
 
 
 _LOADED: dict[str, tuple] = {}  # load_splits' results in this process, by `_load_key`
+HASHED_MAX = 32 << 20
+"""A local data file up to this size is keyed by its content (sha256); a larger one by (size, mtime_ns, inode,
+ctime_ns): a rewrite in place with its mtime restored (`cp -p`, `rsync -t`) still changes its ctime."""
+
+
+def file_key(path: Path) -> list:
+    """What the rows of the data file `path` depend on: its content, or beyond HASHED_MAX its identity and
+    change times (`HASHED_MAX`)."""
+    st = path.stat()
+    if st.st_size <= HASHED_MAX:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return [str(path), st.st_size, digest.hexdigest()]
+    return [str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
 def _load_key(cfg: DataConfig, seed: int, env) -> str:
-    """What `load_splits` depends on: the config, the seed, the environment (data.path=env) and each local
-    file's size and mtime."""
+    """What `load_splits` depends on: the config, the seed, the environment (data.path=env only: the preflight
+    and the rollout side load a file with the same key) and each local file (`file_key`)."""
     local = Path(cfg.path).expanduser()
     files = sorted(local.rglob("*")) if local.is_dir() else [local] if local.is_file() else []
-    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-    env_key = None if env is None else [env.name, dict(env.kwargs)]
+    stats = [file_key(f) for f in files if f.is_file()]
+    env_key = None if env is None or cfg.path != ENV else [env.name, dict(env.kwargs)]
     return json.dumps([dataclasses.asdict(cfg), seed, env_key, stats, str(cache_dir())], default=str)
 
 
@@ -201,10 +221,7 @@ def _load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
         builder, files = _local_data_files(local)
         if builder == "json":
             where = {split: [w for f in fs for w in _json_rows(Path(f))] for split, fs in files.items()}
-        try:
-            ds = datasets.load_dataset(builder, data_files=files)
-        except Exception as e:  # pyarrow / pandas errors name no file
-            raise DataError(f"could not read data.path={path!r} ({files}): {type(e).__name__}: {e}") from e
+        ds = _load_local(builder, files, where, path)
     elif path.startswith((".", "/", "~")) or Path(path).suffix in FILE_TYPES:
         raise FileNotFoundError(f"data.path={path!r} does not exist")
     else:
@@ -217,6 +234,71 @@ def _load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
                 "point data.path= at a local JSON/JSONL/Parquet file or directory (and model.path= at a local model)."
             ) from e
     return _split(ds, cfg, where, path, seed)
+
+
+def _load_local(builder: str, files: dict[str, list[str]], where: dict[str, list[str]], path: str):
+    """`datasets.load_dataset` of local `files`, its on-disk cache keyed by their content (`file_key`, as the
+    builder config's description, which datasets' cache folder name hashes; by itself datasets keys local
+    files by mtime, and serves the old rows of a file rewritten with its mtime restored). Rows that disagree
+    with rlkit's scan of the files (`where`: their number) are never used: the load is redone without the
+    cache, loudly, and a second disagreement is an error naming the file."""
+    import datasets
+
+    content = hashlib.sha256(
+        json.dumps({split: [file_key(Path(f)) for f in fs] for split, fs in sorted(files.items())}).encode()
+    ).hexdigest()
+    for attempt in ("cached", "fresh"):
+        mode = "force_redownload" if attempt == "fresh" else None
+        try:
+            ds = datasets.load_dataset(
+                builder, data_files=files, description=f"rlkit-content-{content}", download_mode=mode
+            )
+        except Exception as e:  # pyarrow / pandas errors name no file
+            raise DataError(f"could not read data.path={path!r} ({files}): {type(e).__name__}: {e}") from e
+        wrong = [(s, len(ds[s]), len(w)) for s, w in where.items() if s in ds and len(ds[s]) != len(w)]
+        if not wrong:
+            return ds
+        shown = ", ".join(
+            f"split {s!r} ({files[s]}): {got} rows loaded, {want} in the file" for s, got, want in wrong
+        )
+        if attempt == "cached":
+            log.warning(
+                "data: the rows datasets loaded disagree with the files (%s): loading again without its cache",
+                shown,
+            )
+    raise DataError(
+        f"data.path={path!r}: the rows loaded disagree with the files ({shown}); was a file rewritten while loading?"
+    )
+
+
+def _hold_out(train, cfg: DataConfig, path: str, seed: int):
+    """(train, eval) with `cfg.eval_size` rows held out of `train`. A prompt that several rows repeat is held
+    out whole (one row of it in eval, none in train) and the repeats are counted in a warning: a held-out
+    prompt that is also trained on measures memory, not generalisation."""
+    prompts = train[cfg.prompt_key]
+    first: dict = {}
+    for i, prompt in enumerate(prompts):
+        first.setdefault(prompt, i)
+    if len(first) == len(prompts):
+        split = train.train_test_split(test_size=cfg.eval_size, seed=seed, shuffle=True)
+        return split["train"], split["test"]
+    repeats = [(i, p) for i, p in enumerate(prompts) if first[p] != i]
+    log.warning(
+        "data: %d of %d rows of split %r of data.path=%r repeat the prompt of an earlier row (row %d repeats "
+        "row %d%s): each prompt is held out for eval whole, never trained on too",
+        len(repeats), len(prompts), cfg.train_split, path, repeats[0][0] + 1, first[repeats[0][1]] + 1,
+        ", ..." if len(repeats) > 1 else "",
+    )  # fmt: skip
+    if cfg.eval_size >= len(first):
+        raise DataError(
+            f"data.eval_size={cfg.eval_size} would hold out all {len(first)} distinct prompts of split "
+            f"{cfg.train_split!r} of data.path={path!r}, leaving none to train on: use a smaller data.eval_size"
+        )
+    distinct = list(first)
+    random.Random(seed).shuffle(distinct)
+    held = set(distinct[: cfg.eval_size])
+    eval_ds = train.select(sorted(first[p] for p in held))
+    return train.select([i for i, p in enumerate(prompts) if p not in held]), eval_ds
 
 
 def _split(ds, cfg: DataConfig, where: dict, path: str, seed: int):
@@ -241,8 +323,7 @@ def _split(ds, cfg: DataConfig, where: dict, path: str, seed: int):
                 f"{cfg.train_split!r} of data.path={path!r} (it has no data.eval_split={cfg.eval_split!r}), "
                 "leaving none to train on: use a smaller data.eval_size, or 0 for no eval"
             )
-        split = train.train_test_split(test_size=cfg.eval_size, seed=seed, shuffle=True)
-        train, eval_ds = split["train"], split["test"]
+        train, eval_ds = _hold_out(train, cfg, path, seed)
         log.info("no %r split: held out %d training rows for eval", cfg.eval_split, cfg.eval_size)
     else:
         eval_ds = train.select([])

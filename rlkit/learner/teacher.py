@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit.config.rules import choice
+from rlkit.config.rules import choice, model_folder_ok
 from rlkit.config.schema import ConfigError
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model
 
@@ -123,6 +123,7 @@ def _check_model(path: str, policy_path: str, tokenizer_size: int) -> None:
     """The teacher's config and weight files, before any model loads (raises ConfigError)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    model_folder_ok("algo.teacher.path", path)
     try:
         config, directory = _config(path)
     except (OSError, ValueError, KeyError) as e:

@@ -30,6 +30,7 @@ import math
 import re
 import reprlib
 from collections.abc import Callable
+from pathlib import Path
 
 from rlkit.config.schema import ConfigError
 from rlkit.data import reasoning_gym
@@ -354,6 +355,8 @@ def check_config(cfg) -> None:
             "reward.model='' is not a model: give a hub id or local directory, or null for none"
         )
     local_path_exists("reward.model", w.model)
+    if w.model is not None:
+        _check_reward_model(w.model)
     # An environment other than single_turn may reward its episodes itself (a verifiers rubric, OpenEnv).
     if (
         w.fn == "none"
@@ -381,4 +384,28 @@ def check_config(cfg) -> None:
         raise ConfigError(
             f"reward.overlong_buffer={w.overlong_buffer} must be <= "
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty zone ends at the cap)"
+        )
+
+
+def _check_reward_model(path: str) -> None:
+    """reward.model's folder before any model loads (before: after the policy loaded): its files
+    (rlkit.models.check_model_folder) and a config.json of a sequence-classification model with one output."""
+    import json
+
+    from rlkit.config.rules import model_folder_ok
+    from rlkit.models import read_regular
+
+    model_folder_ok("reward.model", path)
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return  # a hub id, a short name or a GGUF file: checked when it loads
+    config = json.loads(read_regular(config_file))
+    labels = (
+        len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    )
+    heads = [a for a in config.get("architectures") or [] if not a.endswith("ForSequenceClassification")]
+    if labels != 1 or heads:
+        raise ConfigError(
+            f"reward.model={path!r} must be a sequence-classification model with one output: its config.json "
+            f"has {labels} labels and architectures {config.get('architectures')}"
         )

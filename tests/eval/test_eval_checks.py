@@ -27,6 +27,24 @@ def test_an_unwritable_eval_output_is_a_start_up_error(read_only_folder, where):
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("output", "why"),
+    [
+        ("/sys/kernel/eval.json", "/sys/kernel is on a sysfs file system"),
+        ("/sys/kernel/new/eval.json", "/sys/kernel is on a sysfs file system"),
+        ("/proc/sys/eval.json", "/proc/sys is on a proc file system"),
+        ("/dev/null", "/dev/null is not a regular file"),
+    ],
+)
+def test_an_eval_output_on_a_kernel_interface_is_a_start_up_error(output, why):
+    """sysfs answers access(2) "writable" for root, so before the check passed and the report failed (or
+    reached a kernel file) at the end of the evaluation. Needs a mounted /sys and /proc."""
+    cfg = RLConfig()
+    cfg.eval.output = output
+    with pytest.raises(ConfigError, match=f"eval.output={output!r} cannot be written: {why}"):
+        check_config(cfg)
+
+
 def test_a_k_above_the_samples_per_prompt_is_a_start_up_error():
     cfg = RLConfig()
     cfg.eval.ks, cfg.eval.n, cfg.eval.temperature = [1, 8], 4, 1.0

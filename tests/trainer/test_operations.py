@@ -204,6 +204,45 @@ def test_resume_none_in_a_used_run_dir_is_refused_and_leaves_it_untouched(tiny, 
     assert files() == before
 
 
+@pytest.mark.parametrize(
+    ("extra", "key", "saved", "new"),
+    [
+        (("rollout.group_size=2",), "rollout.group_size", "4", "2"),
+        (("algo.adv_estimator=gae", "algo.value_model=true"), "algo.adv_estimator", "'grpo'", "'gae'"),
+    ],
+)
+def test_resume_with_another_run_key_is_refused_naming_both_before_models_load(
+    tiny, one_step_run, tmp_path, monkeypatch, extra, key, saved, new
+):
+    """The checkpoint records the keys a resume must keep (rlkit.rundir.RESUME_KEYS). Before: another group
+    size resumed silently, and a critic the checkpoint lacks failed with a bare FileNotFoundError after the
+    models loaded."""
+    import rlkit.trainer
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(one_step_run, run_dir)
+    recorded = json.loads((latest_checkpoint(run_dir) / "trainer_state.json").read_text())["resume_keys"]
+    assert recorded["rollout.group_size"] == 4 and recorded["model.path"] == str(tiny)
+    assert (
+        recorded["model.shape"]["hidden_size"]
+        == json.loads((Path(tiny) / "config.json").read_text())["hidden_size"]
+    )
+    cfg = _config(tiny, run_dir, "trainer.steps=2", *extra)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded before the resume was checked")
+
+    monkeypatch.setattr(rlkit.trainer, "Learner", no_model)
+    monkeypatch.setattr(rlkit.trainer, "load_tokenizer", no_model)
+    with pytest.raises(
+        RuntimeError, match=rf"{key} was {saved} in the run that wrote it, this run has {new}"
+    ):
+        rlkit.trainer.Trainer(cfg)
+    from rlkit.rundir import RunDirLock
+
+    RunDirLock(run_dir).release()  # the refused run left the directory free
+
+
 def test_resume_with_another_world_size_is_refused_naming_both(tiny, one_step_run, tmp_path):
     run_dir = tmp_path / "r"
     shutil.copytree(one_step_run, run_dir)

@@ -84,3 +84,59 @@ def test_a_resume_cuts_samples_jsonl_back_with_metrics_jsonl(tmp_path):
     truncate_metrics(tmp_path, 2)
     kept = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     assert [r["step"] for r in kept] == [0, 0, 1, 1, 2, 2]
+
+
+def _train(tmp_path, *args, env=None):
+    env = dict(
+        env or os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "rlkit.train", "+recipe=quickstart_1digit", "logger=none", "trainer.steps=1", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_a_second_run_in_a_held_run_dir_is_refused_before_hydra_writes_there(tmp_path):
+    """The lock is taken in Hydra's on_run_start callback (rlkit.train.RunDirGuard), before Hydra saves
+    `.hydra/config.yaml` and opens `train.log`. Before: the second run was refused by the trainer, after Hydra
+    had replaced the first run's `.hydra/config.yaml` and written into its `train.log`."""
+    run_dir = tmp_path / "held"
+    (run_dir / ".hydra").mkdir(parents=True)
+    files = {
+        run_dir / ".hydra" / "config.yaml": "the first run's config\n",
+        run_dir / "train.log": "first log\n",
+    }
+    for path, text in files.items():
+        path.write_text(text)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import time; from rlkit.rundir import RunDirLock; lock = RunDirLock({str(run_dir)!r}); "
+         "print('locked', flush=True); time.sleep(600)"],
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        proc = _train(tmp_path, f"trainer.run_dir={run_dir}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    assert f"is in use by another rlkit run (pid {holder.pid}" in proc.stderr + proc.stdout, proc.stderr[
+        -3000:
+    ]
+    assert {path: path.read_text() for path in files} == files
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml"]
+
+
+def test_a_symlinked_train_log_is_refused_before_hydra_writes_through_it(tmp_path):
+    """Hydra's log file (and every file rlkit writes in the run directory) is checked before Hydra opens it.
+    Before: Hydra appended the run's log to the symlink's target."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious\n")
+    run_dir = tmp_path / "hostile"
+    run_dir.mkdir()
+    (run_dir / "train.log").symlink_to(victim)
+    proc = _train(tmp_path, f"trainer.run_dir={run_dir}")
+    assert proc.returncode != 0
+    assert f"{run_dir / 'train.log'} is a symlink" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert victim.read_text() == "precious\n"
+    assert not (run_dir / ".hydra").exists()
