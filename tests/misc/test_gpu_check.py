@@ -103,7 +103,7 @@ def test_report_schema_on_cpu(tmp_path):
 
 @pytest.mark.gpu
 def test_on_a_gpu_nccl_refuses_a_host_tensor_and_rlkit_names_it_first():
-    """Issue 44's finding 1 where it happens: an NCCL group of one takes no host tensor; rlkit's collectives
+    """Where it happens: an NCCL group of one takes no host tensor; rlkit's collectives
     refuse a host device by name and run on the learner's device."""
     done = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--worker", "collectives"],

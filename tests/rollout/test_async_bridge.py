@@ -1,4 +1,4 @@
-"""The async weight bridge and start-up on GPUs, shown on CPU (issue 44, findings 6 and 10): recorders stand in
+"""The async weight bridge and start-up on GPUs, shown on CPU: recorders stand in
 for the NCCL process groups; the start-up wait runs in two real gloo processes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every model family users train (issue 43), on both engines: a tiny random checkpoint of each (tests/
+"""Every model family users train, on both engines: a tiny random checkpoint of each (tests/
 model_families.py), its weights pushed into the engine unchanged and changed, each push verified and the
 engine's log-probs probed against the learner's (a transformers model with the same weights), or the family
 refused at start-up with the reason and the alternative. Never a drift.
