@@ -17,6 +17,8 @@ from model_families import family_config
 
 from rlkit.learner import Learner
 
+pytestmark = pytest.mark.slow  # FSDP2 in 2 processes: `make test-fast` leaves it out
+
 
 def _worker(rank, world, port, model_dir, out_dir):
     from torch.distributed.tensor import DTensor

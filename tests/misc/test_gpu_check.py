@@ -18,6 +18,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
 
+pytestmark = (
+    pytest.mark.slow
+)  # runs scripts/gpu_check.py's parts in processes: `make test-fast` leaves it out
+
 
 def test_arguments_are_checked():
     assert gpu_check.parse_args([]).parts == list(gpu_check.PARTS)

@@ -16,6 +16,8 @@ from rlkit.config.schema import RLConfig
 from rlkit.rollout.remote import client, wire, worker
 from rlkit.weights import Export
 
+pytestmark = pytest.mark.slow  # starts gloo processes: `make test-fast` leaves it out
+
 TIMEOUT_S = 42.0
 
 

@@ -29,6 +29,8 @@ from rlkit.weights import (
     verify_push,
 )
 
+pytestmark = pytest.mark.slow  # builds a vLLM engine per model family: `make test-fast` leaves it out
+
 SUPPORTED = REPO_ROOT / "docs" / "supported-models.json"
 BOUND = probe_bound(torch.float32)
 

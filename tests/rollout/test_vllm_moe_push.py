@@ -29,6 +29,8 @@ from rlkit.weights import (  # noqa: E402
     verify_push,
 )
 
+pytestmark = pytest.mark.slow  # builds a vLLM engine: `make test-fast` leaves it out
+
 DOWN = "model.layers.1.mlp.experts.down_proj"
 
 

@@ -23,6 +23,8 @@ from rlkit.rundir import latest_checkpoint, write_checksums
 from rlkit.train import compose, load_config
 from rlkit.trainer import run
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 # The metric keys the issue asks for on every step (plus a few of ours).
 REQUIRED = [
     "reward/mean", "reward/std", "reward/max", "accuracy", "frac_reward_zero_std",

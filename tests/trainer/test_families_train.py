@@ -23,6 +23,8 @@ import_vllm()
 
 from rlkit.weights import WeightSyncError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trainer runs with vLLM: `make test-fast` leaves it out
+
 
 def _args(ckpt, run_dir, *extra) -> list[str]:
     return [
