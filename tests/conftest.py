@@ -30,7 +30,7 @@ HEAVIEST = (
     "trainer/test_e2e.py",
     "trainer/test_async_inflight.py",
     "envs/test_multiturn.py",
-    "misc/test_bench.py",
+    "scripts/test_bench.py",
     "trainer/test_families_train.py",
     "trainer/test_dynamic.py",
     "envs/test_ecosystem_envs.py",

@@ -1,5 +1,5 @@
 """The config's reference: every key of rlkit/config/schema.py with its default and the docstring written
-under it (scripts/config_reference.py builds the docs' table from it; tests/misc/test_readme.py and
+under it (scripts/config_reference.py builds the docs' table from it; tests/docs/test_readme.py and
 test_docs.py check that every key is documented)."""
 
 import ast

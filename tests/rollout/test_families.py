@@ -4,7 +4,7 @@ engine's log-probs probed against the learner's (a transformers model with the s
 refused at start-up with the reason and the alternative. Never a drift.
 
 For each family the outcome is compared with docs/supported-models.json, from which the "Supported models"
-page is written (scripts/supported_models.py; tests/misc/test_supported_models.py holds the page to it).
+page is written (scripts/supported_models.py; tests/docs/test_supported_models.py holds the page to it).
 `RLKIT_WRITE_SUPPORTED=1` rewrites the JSON from this run instead (then run the script)."""
 
 import json

@@ -5,7 +5,7 @@ NCCL takes CUDA tensors only and gloo takes host tensors, so a CPU run cannot sh
 end of step 1's update). Read from the source (nothing is imported): no raw torch.distributed collective and no
 process-group method call outside the allowed module, and every call of rlkit's tensor collectives passes the
 device as a variable (the learner's device), never a literal or a tensor's own `.device`. What
-rlkit.collectives does with that device under NCCL is tested in tests/misc/test_collectives.py.
+rlkit.collectives does with that device under NCCL is tested in tests/leaves/test_collectives.py.
 """
 
 from __future__ import annotations
