@@ -116,7 +116,7 @@ docs: install-test
 test: install-test lint docs
 	RLKIT_REQUIRE_VLLM=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 $(ARGS)
 
-# The fast tier: no trainer runs, no vLLM engine, no second process (tests marked `slow`: tests/conftest.py).
+# The fast tier: no trainer runs, no vLLM engine, no second process (each such test module sets the `slow` marker).
 test-fast: install-test
 	$(PY) -m pytest -q -n 2 -m "not slow and not gpu" $(ARGS)
 

@@ -5,7 +5,7 @@ input).
 All four are frozen dataclasses: a stage that wants to change a field builds a new batch with
 `dataclasses.replace`, so a tensor that was logged is never modified behind the logger's back.
 
-Layout of one sample (row) in both batches::
+Layout of one sample (row) in every batch::
 
     prompt_ids   [P]  left-padded   (pad ... pad p0 p1 ... pk)
     response_ids [T]  right-padded  (r0 r1 ... EOS pad ... pad)

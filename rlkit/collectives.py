@@ -164,7 +164,7 @@ def stopped_ranks_message(barrier_error: str, rank: int) -> str:
     )
 
 
-# -- every collective rlkit makes (tests/misc/test_collectives_source.py holds that none is made elsewhere) ---
+# -- every collective rlkit makes (tests/layout/test_collectives_source.py holds that none is made elsewhere) ---
 #
 # NCCL takes CUDA tensors only (`No backend type associated with device type cpu`); gloo takes host tensors,
 # so a CPU run never shows a host tensor that a GPU run would refuse. Every tensor collective therefore takes

@@ -1,8 +1,8 @@
 """Metric sinks: Weights & Biases (offline automatically without an API key, or when its host cannot be
 reached), console, or none.
 
-Whatever the sink, `<run_dir>/metrics.jsonl` gets one JSON line per step (the lead's plots read it).
-Only rank 0 logs; metrics arrive already reduced across ranks (see rlkit.metrics / rlkit.trainer).
+Whatever the sink, `<run_dir>/metrics.jsonl` gets one JSON line per step (rlkit/plots.py draws curves.png from it).
+Only rank 0 logs; metrics arrive already reduced across ranks (rlkit.metrics.MetricMerger).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 For every key: its default in the schema (rlkit.config), its one-line doc, and its value in each recipe as
 Hydra composes it (`+recipe=NAME`, as the command line would), interpolations such as `${now:...}` left
 unresolved. The column "no recipe" is the root config alone (configs/config.yaml's group defaults), which is
-why `model.path` is '' in the schema but a model there. tests/misc/test_docs.py checks that the committed
+why `model.path` is '' in the schema but a model there. tests/docs/test_docs.py checks that the committed
 page equals this script's output.
 """
 

@@ -24,7 +24,7 @@ def group_of_one(cuda: bool) -> None:
 
 
 def collectives_worker(args) -> dict:
-    """Issue 44's finding 1 on one GPU: NCCL refuses a host tensor ("No backend type associated with device
+    """On one GPU: NCCL refuses a host tensor ("No backend type associated with device
     type cpu"), which the learner's token counts were; rlkit's collectives refuse a host device by name before
     NCCL does and place the tensor on the device they are given."""
     import torch

@@ -2,7 +2,7 @@
 (tests/rollout/test_families.py; `RLKIT_WRITE_SUPPORTED=1` makes it rewrite the JSON).
 
     python scripts/supported_models.py        # rewrite the page
-tests/misc/test_supported_models.py holds the page to the JSON, and the matrix holds the JSON to what runs."""
+tests/docs/test_supported_models.py holds the page to the JSON, and the matrix holds the JSON to what runs."""
 
 from __future__ import annotations
 

@@ -17,55 +17,36 @@ for path in (HERE / "fixtures", HERE):
         sys.path.insert(0, str(path))
 
 
-# The tests marked `slow` (`make test-fast` leaves them out; `make test`, CI, runs them): every run of the whole
-# trainer (tests/trainer), and the modules that build a vLLM engine, start a second process or train a model for
-# seconds. Over ~10 s a module on 2 cores; what stays is the edit loop's tier, under 2 minutes.
-SLOW = (
-    "trainer/",
-    "rollout/test_families.py", "rollout/test_vllm_engine.py", "rollout/test_vllm_inflight.py",
-    "rollout/test_vllm_moe_push.py", "rollout/test_vllm_train.py", "rollout/test_vllm_adapter.py",
-    "rollout/test_async_bridge.py", "rollout/test_hf_engine.py", "rollout/test_models.py",
-    "envs/test_multiturn.py", "envs/test_ecosystem_envs.py", "envs/test_containment.py", "envs/test_episodes.py",
-    "envs/test_shared_memory.py",
-    "config/test_config.py", "config/test_teacher_checks.py",
-    "learner/test_compiled.py", "learner/test_fsdp2.py", "learner/test_fsdp2_moe.py", "learner/test_distributed.py",
-    "learner/test_learner.py",
-    "rewards/test_correct.py", "rewards/test_reward_model.py", "rewards/test_reward_contract.py",
-    "rewards/test_reward_workers.py",
-    "data/test_reasoning_gym.py",
-    "eval/test_eval.py",
-    "misc/test_bench.py", "misc/test_wheel.py", "misc/test_gpu_check.py", "misc/test_step_in_40_lines.py",
-)  # fmt: skip
-
-
 # The heaviest modules, run first: `make test` hands whole modules to its 2 workers in collection order
 # (pytest-xdist's --dist loadfile with --no-loadscope-reorder; by default xdist puts the modules with the most
 # tests first, which left the long trainer and vLLM modules, of few tests each, running alone at the end while
-# the other worker idled); longest first, the workers end together. Each module's seconds in a whole-suite run
-# on 2 cores (2026-11-27, session 17, from --durations), longest first.
+# the other worker idled); longest first, the workers end together. The order comes from a whole-suite run's
+# --durations on 2 cores; each module's seconds are in benchmarks/ (the test-suite timings).
 HEAVIEST = (
-    "trainer/test_async.py",  # 287
-    "rollout/test_families.py",  # 233
-    "rollout/test_vllm_train.py",  # 211
-    "trainer/test_distill.py",  # 146
-    "trainer/test_e2e.py",  # 131
-    "trainer/test_async_inflight.py",  # 130
-    "envs/test_multiturn.py",  # 124
-    "misc/test_bench.py",  # 124
-    "trainer/test_families_train.py",  # 101
-    "trainer/test_dynamic.py",  # 94
-    "envs/test_ecosystem_envs.py",  # 82
-    "rollout/test_vllm_engine.py",  # 78
-    "trainer/test_operations.py",  # 60
-    "learner/test_fsdp2.py",  # 57
-    "trainer/test_stopped_rank.py",  # 57
-    "trainer/test_reliability.py",  # 40
+    "trainer/test_async.py",
+    "rollout/test_families.py",
+    "rollout/test_vllm_train.py",
+    "trainer/test_distill.py",
+    "trainer/test_e2e.py",
+    "trainer/test_async_inflight.py",
+    "envs/test_multiturn.py",
+    "scripts/test_bench.py",
+    "trainer/test_families_train.py",
+    "trainer/test_dynamic.py",
+    "envs/test_ecosystem_envs.py",
+    "rollout/test_vllm_engine.py",
+    "trainer/test_operations.py",
+    "learner/test_fsdp2.py",
+    "trainer/test_stopped_rank.py",
+    "trainer/test_reliability.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Runs the `HEAVIEST` modules first; marks the `SLOW` tests; `gpu`-marked tests need a CUDA device by
-    nature (CUDA memory, NCCL, sleep mode): skipped without one."""
+    """Runs the `HEAVIEST` modules first; `gpu`-marked tests need a CUDA device by nature (CUDA memory, NCCL,
+    sleep mode): skipped without one. (`slow` is set in each module, by what its tests start: a trainer run,
+    a vLLM engine, a second process, or seconds of training; `make test-fast` leaves those out.
+    tests/layout/test_tiers.py holds that a module starting a trainer run or an engine is marked.)"""
     import pytest
     import torch
 
@@ -76,9 +57,6 @@ def pytest_collection_modifyitems(config, items):
         return HEAVIEST.index(path) if path in HEAVIEST else len(HEAVIEST)
 
     items.sort(key=rank)
-    for item in items:
-        if module[id(item)].startswith(SLOW):
-            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(

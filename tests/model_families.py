@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of every model family users train (issue 43), built from transformers' own config
+"""Tiny random checkpoints of every model family users train, built from transformers' own config
 classes at test time: hidden 128, 2 layers, head_dim 32 (the smallest vLLM's CPU attention runs; MLA: 64), the SmolLM2
 tokenizer, each family's features on (tied and untied heads, q/k norms, soft-capping, sliding windows, rope
 scaling, Granite's multipliers; mixture-of-experts with 4 experts, top-2).

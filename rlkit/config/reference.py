@@ -1,5 +1,5 @@
 """The config's reference: every key of rlkit/config/schema.py with its default and the docstring written
-under it (scripts/config_reference.py builds the docs' table from it; tests/misc/test_readme.py and
+under it (scripts/config_reference.py builds the docs' table from it; tests/docs/test_readme.py and
 test_docs.py check that every key is documented)."""
 
 import ast
@@ -11,7 +11,7 @@ from rlkit.config import schema
 
 def field_docs() -> list[tuple[str, object, str]]:
     """(dotted key, default, one-line doc) of every config field, read from the field docstrings of
-    rlkit/config/schema.py (they are not kept at run time). Feeds the README's config table and its test."""
+    rlkit/config/schema.py (they are not kept at run time). Feeds docs/reference/config.md and its tests."""
     tree = ast.parse(inspect.getsource(schema))
     docs: dict[str, dict[str, str]] = {}
     for node in tree.body:

@@ -3,7 +3,7 @@ wrong types (`parse`), the range of every number (`RANGES`), the names of the al
 registries in rlkit/algos) and the rules that tie keys together (`validate`).
 
 Each component checks the keys it owns with a `check_config(cfg)` beside its code (data, rewards, envs,
-engines, learner, producer, trainer); `rlkit.trainer.preflight` calls this module and all of them before
+engines, learner, producer, trainer); `rlkit.train.preflight` calls all of them before
 any process starts or model loads. Every error is a `ConfigError` naming the key, the value and the valid
 choices.
 
@@ -227,7 +227,7 @@ def _schema() -> DictConfig:
 def parse(cfg: DictConfig | dict, *, world_size: int = 1) -> RLConfig:
     """Composed Hydra config -> `RLConfig` checked by this module (unknown keys and wrong types raise here).
 
-    The components' own checks run in `rlkit.trainer.preflight` (`rlkit.train.load_config` runs both).
+    The components' own checks run in `rlkit.train.preflight` (`rlkit.train.load_config` runs both).
     """
     from omegaconf.errors import OmegaConfBaseException
 

@@ -371,7 +371,7 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 8192
     """Token budget (prompt + response) per learner micro-batch; real tokens when pack_sequences, else padded."""
     pack_sequences: bool = False
-    """Learner runs each micro-batch as one padding-free sequence (attention kept inside each row); off: slower on CPU sdpa (README). Turned off at start-up (one INFO line) for a model where a packed row would not score as alone: layers with state across positions (hybrids), or an attention path that misses the row restarts (measured on the model)."""
+    """Learner runs each micro-batch as one padding-free sequence (attention kept inside each row); off: slower on CPU sdpa (docs/concepts/training-step.md). Turned off at start-up (one INFO line) for a model where a packed row would not score as alone: layers with state across positions (hybrids), or an attention path that misses the row restarts (measured on the model)."""
     logprob_chunk_tokens: int = 512
     """Positions per chunk through the LM head for log-probs / entropy (memory ~ chunk x vocab); 0 = full logits."""
     seed: int = 0

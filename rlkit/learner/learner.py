@@ -438,7 +438,7 @@ class Learner:
 
     def export(self) -> Export:
         """The policy's weights as the rollout side receives them (rlkit.weights), with the log-prob probe
-        the push is checked by (issue 43)."""
+        the push is checked by (a push can copy every byte and still leave a drift)."""
         return Export(
             self.manifest, self.named_weights, probe=self.probe_logprobs, probe_dtype=self.compute_dtype
         )

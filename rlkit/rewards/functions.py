@@ -1,4 +1,4 @@
-"""Reward functions and their safe execution.
+"""Reward functions: the contract, the built-ins and the registry (their safe execution: rlkit/rewards/scorer.py).
 
 The contract. A reward function is
 

@@ -8,6 +8,10 @@ from hydra import compose, initialize_config_dir
 from rlkit.config.schema import CONFIG_DIR, RECIPE_DIR, ConfigError, register_configs
 from rlkit.train import load_config
 
+pytestmark = (
+    pytest.mark.slow
+)  # composes and checks every recipe (tens of seconds): `make test-fast` leaves it out
+
 RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 

@@ -20,6 +20,8 @@ from rlkit.config.schema import ConfigError
 from rlkit.models import load_tokenizer
 from rlkit.train import compose, load_config
 
+pytestmark = pytest.mark.slow  # a trainer run: `make test-fast` leaves it out
+
 tiny = run_helpers.tiny  # the tiny model fixture (the policy)
 
 

@@ -16,6 +16,8 @@ from rlkit.data import reasoning_gym as rg_data
 from rlkit.metrics import per_task, without_absent_tasks
 from rlkit.train import compose, load_config
 
+pytestmark = pytest.mark.slow  # a trainer run: `make test-fast` leaves it out
+
 rg = pytest.importorskip("reasoning_gym")
 
 TASKS = "data.tasks=[{chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}},{leg_counting: {min_animals: 1, max_animals: 2}}]"

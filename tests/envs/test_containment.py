@@ -24,6 +24,8 @@ from rlkit.rewards import RewardScorer, containment
 from rlkit.rewards.containment import ProcessCap
 from rlkit.rewards.functions import call_reward, reward_number
 
+pytestmark = pytest.mark.slow  # worker processes and a trainer run: `make test-fast` leaves it out
+
 M = "rlkit_test_contained_envs"
 
 

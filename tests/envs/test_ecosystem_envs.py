@@ -12,6 +12,8 @@ import urllib.request
 import pytest
 from run_helpers import FIXTURES, tiny, train  # noqa: F401
 
+pytestmark = pytest.mark.slow  # trainer runs and environment servers: `make test-fast` leaves it out
+
 COMMON = [
     "data.path=env",
     "data.eval_size=4",

@@ -25,6 +25,10 @@ from rlkit.models import load_tokenizer, make_tiny_checkpoint
 from rlkit.rollout.engines.base import Sampling, rows_to_batch
 from rlkit.rollout.episodes import run_episodes
 
+pytestmark = (
+    pytest.mark.slow
+)  # environment worker processes and a model's generation: `make test-fast` leaves it out
+
 EOS = 2  # SmolLM2's <|im_end|>
 
 

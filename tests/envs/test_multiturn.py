@@ -7,6 +7,8 @@ from run_helpers import REPO_ROOT, launch, overrides, read_jsonl, tiny, train  #
 
 from rlkit.rundir import latest_checkpoint
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 MULTI = [
     "env.name=rlkit_test_envs:Chatty",
     "env.max_turns=3",

@@ -2,7 +2,11 @@
 too: the batch's processes are read a few times a second and a worker over the cap is killed, its episode
 failing with the reason (rlkit/rewards/containment.py over_shared_memory)."""
 
+import pytest
+
 from rlkit.envs.workers import EnvWorkers, Limits
+
+pytestmark = pytest.mark.slow  # environment worker processes: `make test-fast` leaves it out
 
 
 def _step(name, kwargs, limits, timeout_s):

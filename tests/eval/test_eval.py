@@ -16,6 +16,8 @@ from rlkit.eval import main_from_config
 from rlkit.train import compose, load_config
 from rlkit.trainer import run
 
+pytestmark = pytest.mark.slow  # evaluation runs: `make test-fast` leaves it out
+
 TASKS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b}
 
 

@@ -15,6 +15,8 @@ from learner_helpers import make_batch
 from rlkit.learner import Learner
 from rlkit.learner.compiled import compiled_graphs
 
+pytestmark = pytest.mark.slow  # torch.compile: `make test-fast` leaves it out
+
 WIDTHS = (9, 12, 7, 15)  # response widths: each micro-batch a new shape
 
 

@@ -27,6 +27,8 @@ from learner_helpers import (
 from rlkit.algos.losses import AGG_MODES
 from rlkit.learner import Learner
 
+pytestmark = pytest.mark.slow  # the learner in 2 processes: `make test-fast` leaves it out
+
 
 def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
     init_worker_env(rank, world_size, port)

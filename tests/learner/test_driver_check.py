@@ -1,4 +1,4 @@
-"""A driver older than the CUDA build of torch (issue 44, finding 8): the driver lists GPUs (nvidia-smi) but
+"""A driver older than the CUDA build of torch: the driver lists GPUs (nvidia-smi) but
 torch sees none. Refused at start-up by name, before any model loads; both sides faked."""
 
 from __future__ import annotations

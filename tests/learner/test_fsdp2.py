@@ -71,6 +71,8 @@ from reuse_helpers import assert_same, both_paths, reuse_batches, rollout_logpro
 from rlkit.algos.losses import AGG_MODES
 from rlkit.learner import Learner
 
+pytestmark = pytest.mark.slow  # FSDP2 in 2 processes: `make test-fast` leaves it out
+
 DTYPES = ("float32", "bfloat16")
 # bf16 runs only the checks its mixed-precision path can change (module docstring).
 BF16_MODE = "token-mean"  # the gradient's one aggregation mode in bf16

@@ -1,4 +1,4 @@
-"""The learner on a mixture-of-experts model (issue 43): FSDP2 in 2 gloo processes on a tiny Qwen3-MoE (4 experts,
+"""The learner on a mixture-of-experts model: FSDP2 in 2 gloo processes on a tiny Qwen3-MoE (4 experts,
 top-2, the experts fused into one tensor per layer and sharded like every parameter) gives the single-process
 full-batch gradient, and the push's export gathers each expert tensor whole from its shards.
 
@@ -16,6 +16,8 @@ from learner_helpers import FULL_LOSS, free_port, global_batch, init_worker_env,
 from model_families import family_config
 
 from rlkit.learner import Learner
+
+pytestmark = pytest.mark.slow  # FSDP2 in 2 processes: `make test-fast` leaves it out
 
 
 def _worker(rank, world, port, model_dir, out_dir):

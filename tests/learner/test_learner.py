@@ -23,6 +23,10 @@ from rlkit.learner import Learner
 from rlkit.learner.batching import pack_microbatches, position_ids_from_mask
 from rlkit.weights import clean_param_name
 
+pytestmark = (
+    pytest.mark.slow
+)  # the learner in 2 processes, and updates for seconds: `make test-fast` leaves it out
+
 
 def config(path, **kw):
     base = dict(model_path=path, dtype="float32", lr=1e-3, max_grad_norm=None, seed=0)

@@ -1,5 +1,5 @@
 """`trainer.device=cpu` on a machine with GPUs (faked: torch.cuda.is_available() is True): the learner's
-accelerate state is built with cpu=True, so it runs on the CPU over gloo as asked (issue 44, finding 12)."""
+accelerate state is built with cpu=True, so it runs on the CPU over gloo as asked."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def test_push_into_hf_engine_then_engine_and_learner_logprobs_agree(tokenizer_mo
 def test_truncated_sampling_learner_scores_the_distribution_the_engine_sampled(
     tokenizer_model_dir, truncation
 ):
-    """Issue 9 item 5: under top-p / top-k the engine reports log-probs renormalised over the kept
+    """Under top-p / top-k the engine reports log-probs renormalised over the kept
     tokens; the learner, told the same truncation, replays it and agrees (no false weight-sync
     alarm). Scoring the full distribution instead is off by log(kept mass), the false alarm."""
     from rlkit.algos.correction import mismatch_metrics

@@ -5,6 +5,7 @@ task; and an advantage estimator registered from outside the package trains."""
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 from rlkit_test_rewards import length_target, lenient
 from run_helpers import overrides, tiny  # noqa: F401
@@ -14,6 +15,8 @@ from rlkit.rewards import RewardScorer
 from rlkit.rollout import producer
 from rlkit.train import compose, load_config
 from rlkit.trainer import run
+
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
 
 
 def _spy_scores(monkeypatch) -> list[tuple[list[str], bool]]:

@@ -8,6 +8,8 @@ from run_helpers import tiny  # noqa: F401  (the shared tiny-model fixture)
 
 from rlkit.rewards import RewardScorer
 
+pytestmark = pytest.mark.slow  # a trainer run and reward worker processes: `make test-fast` leaves it out
+
 ROWS = [
     {"question": "q0", "answer": "#### 7", "unit": "kg", "tolerance": 0.25, "data_source": "alpha"},
     {"question": "q1", "answer": "#### 1", "unit": "m", "tolerance": 0.5, "data_source": "beta"},

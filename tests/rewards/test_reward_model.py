@@ -10,6 +10,8 @@ from run_helpers import tiny, train  # noqa: F401
 from rlkit.models import load_tokenizer, make_tiny_checkpoint
 from rlkit.rewards.model import RewardModel
 
+pytestmark = pytest.mark.slow  # a trainer run with a reward model: `make test-fast` leaves it out
+
 
 def _tiny_rm(directory, *, embedding_only=False, seed=0):
     """A tiny Llama sequence classifier (one label) sharing SmolLM2's tokenizer.

@@ -13,6 +13,10 @@ from run_helpers import FIXTURES
 
 from rlkit.rewards import RewardScorer
 
+pytestmark = (
+    pytest.mark.slow
+)  # reward worker processes that hang, crash and time out: `make test-fast` leaves it out
+
 
 def bounded(fn, seconds):
     """fn() in a thread; fails the test if it has not returned after `seconds` (a hang)."""

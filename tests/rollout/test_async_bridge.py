@@ -1,4 +1,4 @@
-"""The async weight bridge and start-up on GPUs, shown on CPU (issue 44, findings 6 and 10): recorders stand in
+"""The async weight bridge and start-up on GPUs, shown on CPU: recorders stand in
 for the NCCL process groups; the start-up wait runs in two real gloo processes."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from rlkit.collectives import free_port
 from rlkit.config.schema import RLConfig
 from rlkit.rollout.remote import client, wire, worker
 from rlkit.weights import Export
+
+pytestmark = pytest.mark.slow  # starts gloo processes: `make test-fast` leaves it out
 
 TIMEOUT_S = 42.0
 

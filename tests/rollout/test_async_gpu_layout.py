@@ -1,7 +1,7 @@
 """trainer.mode=async on GPUs: the rollout workers take the last trainer.rollout_gpus visible GPUs and the
 learner processes of the machine the first ones, by LOCAL_RANK. Under torchrun the launcher decides how many
 learner processes there are; a count that makes them share GPUs with the workers is refused at start-up
-(issue 44, finding 5). The device count and the launcher's variables are faked."""
+(it would deadlock on GPUs). The device count and the launcher's variables are faked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The push's checkpoint format (issue 43): transformers 5 converts mixture-of-experts checkpoints when it loads
+"""The push's checkpoint format: transformers 5 converts mixture-of-experts checkpoints when it loads
 them (experts fused into one tensor, Mixtral's `block_sparse_moe` renamed `mlp`) and the learner's parameters
 carry those in-memory names; vLLM's loaders expect the checkpoint's. `to_checkpoint` must give exactly what
 `save_pretrained` writes (names and bytes), layer by layer, and `checkpoint_origins` where each comes from."""

@@ -1,10 +1,10 @@
-"""Every model family users train (issue 43), on both engines: a tiny random checkpoint of each (tests/
+"""Every model family users train, on both engines: a tiny random checkpoint of each (tests/
 model_families.py), its weights pushed into the engine unchanged and changed, each push verified and the
 engine's log-probs probed against the learner's (a transformers model with the same weights), or the family
 refused at start-up with the reason and the alternative. Never a drift.
 
 For each family the outcome is compared with docs/supported-models.json, from which the "Supported models"
-page is written (scripts/supported_models.py; tests/misc/test_supported_models.py holds the page to it).
+page is written (scripts/supported_models.py; tests/docs/test_supported_models.py holds the page to it).
 `RLKIT_WRITE_SUPPORTED=1` rewrites the JSON from this run instead (then run the script)."""
 
 import json
@@ -28,6 +28,8 @@ from rlkit.weights import (
     probe_tokens,
     verify_push,
 )
+
+pytestmark = pytest.mark.slow  # builds a vLLM engine per model family: `make test-fast` leaves it out
 
 SUPPORTED = REPO_ROOT / "docs" / "supported-models.json"
 BOUND = probe_bound(torch.float32)

@@ -7,6 +7,8 @@ from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint
 from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.engines.hf import HFEngine, sample_rows
 
+pytestmark = pytest.mark.slow  # generates with a model for seconds: `make test-fast` leaves it out
+
 EOS = 2  # SmolLM2's <|im_end|>, also its pad token
 
 

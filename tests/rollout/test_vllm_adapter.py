@@ -15,6 +15,8 @@ from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
 from rlkit.rollout.engines.vllm import request_outputs_to_batch, sampling_params_from, vllm_weight_name  # noqa: E402
 
+pytestmark = pytest.mark.slow  # builds a vLLM engine: `make test-fast` leaves it out
+
 PAD, EOS = 0, 2
 
 

@@ -1,4 +1,4 @@
-"""Building a colocated vLLM engine leaves the learner's transformers class as transformers wrote it (issue 43):
+"""Building a colocated vLLM engine leaves the learner's transformers class as transformers wrote it:
 vLLM's Transformers backend decorates the decoder class itself for torch.compile (a new base class, a new
 `__init__` and `__call__`), and the learner's model, an instance of that class made before, then fails at its
 first forward. Here the decoration is done by hand on a class of a stand-in module (the real one, vLLM on
@@ -65,7 +65,7 @@ def test_the_class_comes_back_as_it_was_and_an_instance_made_before_still_runs(m
     with restored:
         _decorate(module.Model)
         with pytest.raises(AttributeError, match="do_not_compile"):
-            before(1)  # what the learner met (issue 43)
+            before(1)  # what the learner met before the fix
     assert restored.changed == ["Model"]
     assert module.Model.__bases__ == (Pretrained,) and not hasattr(module.Model, "added")
     assert module.Model.__init__ is init and module.Model.__call__ is call

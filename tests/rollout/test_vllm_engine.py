@@ -29,6 +29,8 @@ from rlkit.weights import (  # noqa: E402
     verify_push,
 )
 
+pytestmark = pytest.mark.slow  # builds vLLM engines: `make test-fast` leaves it out
+
 
 def _untie(src: str, dst) -> str:
     """The tied tiny checkpoint with its own output head (the embedding plus noise)."""

@@ -1,5 +1,5 @@
 """What VLLMEngine does around `vllm.LLM` on CUDA, shown on CPU with a recorder in place of the engine
-(issue 44, findings 9, 11 and 13): the memory plan of a colocated engine and of an async worker's, what the
+(CUDA-only behaviour found by reading the code): the memory plan of a colocated engine and of an async worker's, what the
 engine's construction may leave in the process (vLLM's later-use variables) and what it must not (the
 launcher's variables, LD_PRELOAD, every RNG state, the CUDA generator's included), and the model runner."""
 

@@ -21,6 +21,8 @@ from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint  #
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
 from rlkit.weights import iter_full_parameters  # noqa: E402
 
+pytestmark = pytest.mark.slow  # builds a vLLM engine: `make test-fast` leaves it out
+
 T = 10  # tokens per row (ignore_eos: every row runs to the end, so every row spans the swap)
 SWAP_AFTER = 4  # engine steps before the push: tokens 0..3 by version 0, 4..9 by version 1
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=T, seed=7, ignore_eos=True)

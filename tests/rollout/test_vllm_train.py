@@ -14,6 +14,8 @@ from cfg_helpers import cuda_gpus
 from run_helpers import finish, run_args, start
 from vllm_import import import_vllm
 
+pytestmark = pytest.mark.slow  # launches a training run with vLLM: `make test-fast` leaves it out
+
 import_vllm()
 
 

@@ -21,6 +21,8 @@ from run_helpers import overrides, read_jsonl, tiny, train  # noqa: F401  (tiny 
 
 from rlkit.rundir import latest_checkpoint
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 ASYNC = ("trainer.mode=async", "trainer.lr=0.05")
 COMPARED = [
     "reward/mean",

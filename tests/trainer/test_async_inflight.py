@@ -22,6 +22,8 @@ import_vllm()
 
 from rlkit.batch import NO_VERSION  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trainer runs with vLLM: `make test-fast` leaves it out
+
 INFLIGHT = (
     "trainer.mode=async", "trainer.max_staleness=1", "trainer.inflight_updates=recompute",
     "rollout.engine=vllm", "+rollout.engine_kwargs.kv_cache_gib=0.1", "env.max_turns=1",

@@ -9,10 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from proc_helpers import alive, kill_all, wait_dead
 from run_helpers import FIXTURES, overrides, tiny  # noqa: F401  (tiny is a fixture)
 
 from rlkit.config.schema import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # a launched trainer run: `make test-fast` leaves it out
 
 
 def _descendants(root: int) -> list[int]:

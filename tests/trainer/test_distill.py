@@ -14,6 +14,8 @@ from rlkit.models import load_causal_lm, make_tiny_checkpoint
 from rlkit.step import StepPhases
 from rlkit.train import compose, load_config
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):

@@ -18,6 +18,8 @@ from rlkit.rundir import latest_checkpoint
 from rlkit.train import compose, load_config
 from rlkit.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 REFILL = ["algo.dynamic_sampling=refill", "algo.filter_metric=reward", "reward.fn=rlkit_test_rewards:parity"]
 
 

@@ -22,6 +22,8 @@ import run_helpers
 import torch
 from run_helpers import train
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 tiny = run_helpers.tiny  # the tiny model fixture
 
 

@@ -7,6 +7,8 @@ import logging
 import pytest
 from run_helpers import tiny, train  # noqa: F401
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 
 def test_a_reward_function_failing_on_every_sample_warns_once_and_stops_the_run(tiny, tmp_path, caplog):  # noqa: F811
     caplog.set_level(logging.WARNING)

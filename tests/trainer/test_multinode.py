@@ -11,6 +11,8 @@ from run_helpers import FIXTURES, launch_env, overrides, read_jsonl, tiny, train
 from rlkit.collectives import free_port
 from rlkit.rundir import latest_checkpoint
 
+pytestmark = pytest.mark.slow  # a torchrun launch of two nodes: `make test-fast` leaves it out
+
 
 def test_two_nodes_under_torchrun_equal_one_process(tiny, tmp_path):  # noqa: F811
     one, two = tmp_path / "one", tmp_path / "two"

@@ -18,6 +18,8 @@ from run_helpers import launch_env, overrides, read_jsonl, run_args, train
 
 from rlkit.rundir import latest_checkpoint, write_checksums
 
+pytestmark = pytest.mark.slow  # launched trainer runs: `make test-fast` leaves it out
+
 tiny = run_helpers.tiny  # the tiny model fixture
 
 

@@ -12,6 +12,8 @@ import pytest
 from run_helpers import launch, read_jsonl
 from vllm_import import import_vllm
 
+pytestmark = pytest.mark.slow  # a launched trainer run with vLLM: `make test-fast` leaves it out
+
 import_vllm()
 
 # A warning as a user sees one: a logging record at WARNING (Hydra's "[WARNING]", vLLM's "WARNING 11-26 ...",

@@ -28,6 +28,8 @@ import torch
 from run_helpers import read_jsonl, train
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
+
 tiny = run_helpers.tiny  # the tiny model fixture
 
 

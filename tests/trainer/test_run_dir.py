@@ -57,6 +57,7 @@ def _run(cwd, *args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hydra_dir", [None, "elsewhere"])
 def test_hydra_output_and_run_share_one_directory_whatever_the_clock(tmp_path, hydra_dir):
     args = ["+recipe=quickstart_1digit", "logger=none"]

@@ -9,8 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import run_helpers
 from run_helpers import launch_env, launcher_folders, overrides, read_jsonl
+
+pytestmark = pytest.mark.slow  # a launched 2-process run: `make test-fast` leaves it out
 
 tiny = run_helpers.tiny  # the tiny model fixture
 

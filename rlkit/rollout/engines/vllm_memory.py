@@ -1,6 +1,6 @@
 """How much of its GPU a vLLM engine takes, and whether it sleeps: colocated with a learner (sync mode) or on a
-GPU of its own (an async rollout worker). Pure: vLLM's own default comes from the caller (vllm.py, the one
-module that imports vllm, reads it from EngineArgs)."""
+GPU of its own (an async rollout worker). Pure: vLLM's own default comes from the caller (vllm.py reads it from
+EngineArgs), so this module imports no vllm."""
 
 from __future__ import annotations
 

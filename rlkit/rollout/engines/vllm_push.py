@@ -1,4 +1,4 @@
-"""The engine side of a push into vLLM (issue 43): what the stream becomes on its way in, what the reload
+"""The engine side of a push into vLLM (a family's push must be right or loud): what the stream becomes on its way in, what the reload
 reported, and which of vLLM's tensors the push check reads.
 
 - Names and layouts: the learner streams transformers' in-memory names; vLLM's loaders expect the

@@ -65,7 +65,7 @@ class Digests:
     version: int
     digests: dict[str, str]
     probe: torch.Tensor | None = None
-    """[issue 43] The learner's log-probs on the probe's fixed tokens (rlkit.weights.probe_tokens), or None."""
+    """The learner's log-probs on the probe's fixed tokens (rlkit.weights.probe_tokens), or None."""
     probe_dtype: str = "float32"
     """The dtype the learner computed `probe` in (its bound: rlkit.weights.probe_bound)."""
 

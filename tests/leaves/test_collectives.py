@@ -84,7 +84,7 @@ def test_the_bridge_group_of_nccl_refuses_a_host_device(monkeypatch):
     assert collectives._backend(object()) == "gloo"
 
 
-# -- finding 7: a collective's timeout on NCCL reaches rlkit's explanation -----------------------------------
+# -- a collective's timeout on NCCL reaches rlkit's explanation -----------------------------------
 
 
 def test_rlkit_collectives_wait_on_the_host_with_the_collective_timeout(monkeypatch):

@@ -16,6 +16,8 @@ from rlkit.timing import Timers
 from rlkit.train import compose, load_config
 from rlkit.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # a Trainer's first step: `make test-fast` leaves it out
+
 PAGE = REPO_ROOT / "docs" / "concepts" / "step-in-40-lines.md"
 
 

@@ -2,7 +2,7 @@
 --nproc-per-node / --nnodes, `trainer.num_processes=`, a `# N GPUs` comment or an "on N GPUs:" line before
 its code block, "k GPUs" for any count) is composed with the world sizes it implies and checked: the learner
 world `python -m rlkit.train` chooses on that many GPUs, or the launcher's, passes the rules, async's worker
-layout fits, and a stated split ("6 train, 2 generate") is the one the run takes (issue 44, finding 4: the
+layout fits, and a stated split ("6 train, 2 generate") is the one the run takes (a reading once found the
 async line on 8 GPUs was refused, 256 being divisible by neither 8 x 6 nor 8 x 7)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The "Supported models" page is what the family matrix ran (issue 43): docs/supported-models.md is rendered
+"""The "Supported models" page is what the family matrix ran: docs/supported-models.md is rendered
 from docs/supported-models.json (scripts/supported_models.py), which tests/rollout/test_families.py holds to
 the outcome of every family; every family of tests/model_families.py has its row."""
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmark scripts (trainer steps): `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_report", REPO / "scripts" / "bench_report.py")
 bench_report = importlib.util.module_from_spec(spec)

@@ -1,5 +1,5 @@
-"""The Docker image and the Makefile's choice of torch wheel, read as text and run with a faked nvidia-smi
-(issue 44, findings 2 and 8): no Docker daemon or GPU is needed."""
+"""The Docker image and the Makefile's choice of torch wheel, read as text and run with a faked nvidia-smi:
+no Docker daemon or GPU is needed."""
 
 from __future__ import annotations
 

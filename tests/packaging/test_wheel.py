@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlkit.config.schema import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # builds and installs the wheel in a new venv: `make test-fast` leaves it out
 
 # What the wheel is built from (copied, so that the build leaves no build/ or egg-info in the checkout).
 SOURCES = ["pyproject.toml", "setup.py", "README.md", "LICENSE", "rlkit", "configs", "recipes"]

@@ -79,6 +79,7 @@ def test_key_set_and_server_unreachable_logs_offline_within_seconds(wandb_env, m
     _check_written(tmp_path, tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_server_that_accepts_but_never_answers_falls_back_offline(wandb_env, monkeypatch, tmp_path, caplog):
     """The reachability check passes (the port accepts connections), wandb.init then times out: the
     logger retries offline instead of aborting the run."""

@@ -18,6 +18,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
 
+pytestmark = (
+    pytest.mark.slow
+)  # runs scripts/gpu_check.py's parts in processes: `make test-fast` leaves it out
+
 
 def test_arguments_are_checked():
     assert gpu_check.parse_args([]).parts == list(gpu_check.PARTS)
@@ -103,7 +107,7 @@ def test_report_schema_on_cpu(tmp_path):
 
 @pytest.mark.gpu
 def test_on_a_gpu_nccl_refuses_a_host_tensor_and_rlkit_names_it_first():
-    """Issue 44's finding 1 where it happens: an NCCL group of one takes no host tensor; rlkit's collectives
+    """Where it happens: an NCCL group of one takes no host tensor; rlkit's collectives
     refuse a host device by name and run on the learner's device."""
     done = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--worker", "collectives"],

@@ -1,5 +1,5 @@
 """The README stays true: its two set-up commands exist and it names every recipe. (Every config key is
-documented in docs/reference/config.md, generated from the schema: tests/misc/test_docs.py.)"""
+documented in docs/reference/config.md, generated from the schema: tests/docs/test_docs.py.)"""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 from rlkit import models
 from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint, resolve_model
 
+pytestmark = pytest.mark.slow  # converts and loads the embedded model: `make test-fast` leaves it out
+
 
 def test_embedded_model_is_a_plain_cached_checkpoint():
     directory, gguf_file = resolve_model("smollm2-135m")

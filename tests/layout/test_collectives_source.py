@@ -1,11 +1,11 @@
 """Every collective rlkit makes goes through rlkit/collectives.py, with the device its tensor must be on.
 
 NCCL takes CUDA tensors only and gloo takes host tensors, so a CPU run cannot show a host tensor in a collective
-(issue 44: the learner's token counts were all-reduced from a host tensor; every 2+-GPU run would crash at the
+(a reading of the CUDA paths found the learner's token counts were all-reduced from a host tensor; every 2+-GPU run would crash at the
 end of step 1's update). Read from the source (nothing is imported): no raw torch.distributed collective and no
 process-group method call outside the allowed module, and every call of rlkit's tensor collectives passes the
 device as a variable (the learner's device), never a literal or a tensor's own `.device`. What
-rlkit.collectives does with that device under NCCL is tested in tests/misc/test_collectives.py.
+rlkit.collectives does with that device under NCCL is tested in tests/leaves/test_collectives.py.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_every_launch_line_composes_and_passes_the_rules(where, cmd):
     args = shlex.split(cmd)[3:]
     args = [a for a in args if not a.startswith("hydra.searchpath")]  # a user folder of recipes
     if any(a.startswith("+recipe=mine") for a in args):
-        pytest.skip("a recipe of the user's own folder")  # tests/misc/test_wheel.py runs that case
+        pytest.skip("a recipe of the user's own folder")  # tests/packaging/test_wheel.py runs that case
     parse(compose(args), world_size=1)
 
 
