@@ -29,7 +29,7 @@ SLOW = (
     "envs/test_shared_memory.py",
     "config/test_config.py", "config/test_teacher_checks.py",
     "learner/test_compiled.py", "learner/test_fsdp2.py", "learner/test_fsdp2_moe.py", "learner/test_distributed.py",
-    "learner/test_learner.py",
+    "learner/test_learner.py", "learner/test_sft_step.py",
     "rewards/test_correct.py", "rewards/test_reward_model.py", "rewards/test_reward_contract.py",
     "rewards/test_reward_workers.py",
     "data/test_reasoning_gym.py",

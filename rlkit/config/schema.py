@@ -214,7 +214,7 @@ class AlgoConfig:
     """Remove groups whose rewards are all equal from the training loss (never in eval; not with distillation,
     whose term is informative in every group)."""
     policy_loss: str = "ppo_clip"
-    """ppo_clip | gspo | cispo."""
+    """ppo_clip | gspo | cispo | nll (supervised fine-tuning's -log p of the batch's tokens: python -m rlkit.sft)."""
     clip_low: float = 0.2
     """Lower clip range of the ratio (1 - clip_low)."""
     clip_high: float = 0.2
