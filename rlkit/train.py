@@ -127,8 +127,9 @@ def _worker(config: dict) -> None:
     run(checked)
 
 
-def launch(cfg: RLConfig, num_processes: int) -> None:
-    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer.
+def launch(cfg: RLConfig, num_processes: int, worker=None) -> None:
+    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer (or `worker`, a
+    module-level function of the config dict: `python -m rlkit.sft` runs its own).
 
     torch's launcher gives each rank a folder for its error file; without a log folder named it makes one under
     the temp folder (`torchelastic_*`) and never removes it. Here that folder is temporary, removed when the run
@@ -156,7 +157,7 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
             logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         # The resolved config travels to the children, so they all agree on run_dir and every other value.
-        elastic_launch(config, _worker)(to_dict(cfg))
+        elastic_launch(config, worker or _worker)(to_dict(cfg))
 
 
 def main_from_config(cfg: DictConfig) -> None:
