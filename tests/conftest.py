@@ -34,7 +34,7 @@ SLOW = (
     "rewards/test_reward_workers.py",
     "data/test_reasoning_gym.py",
     "eval/test_eval.py",
-    "misc/test_bench.py", "misc/test_wheel.py", "misc/test_gpu_check.py", "misc/test_step_in_40_lines.py",
+    "misc/test_bench.py", "misc/test_bench_sft.py", "misc/test_wheel.py", "misc/test_gpu_check.py", "misc/test_step_in_40_lines.py",
 )  # fmt: skip
 
 

@@ -132,3 +132,20 @@ def test_rl_only_keys_are_refused(model_dir, tmp_path, key, value):
 def test_the_recipe_composes_and_counts_its_steps(tmp_path):
     cfg = sft.load_config(compose(["+recipe=sft_quickstart", f"trainer.run_dir={tmp_path / 'r'}"]))
     assert cfg.trainer.steps == 63 and cfg.data.num_train == 1000  # one epoch of 1000 rows, 16 a step
+
+
+def test_lora_sft_checkpoint_holds_merged_weights_and_the_adapter(model_dir, tmp_path):
+    """With LoRA the checkpoint's model/ is the merged model (what RL and transformers load), adapter/ peft's."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "lora"
+    history = run_sft(model_dir, run_dir, "trainer.steps=2", "trainer.save_every=0", "model.lora.rank=4")
+    assert len(history) == 2
+    ckpt = run_dir / "checkpoints" / "step_2"
+    assert (ckpt / "adapter" / "adapter_config.json").is_file()
+    merged = checkpoint_weights(ckpt)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert not any("lora" in name for name in merged)
+    changed = [n for n in merged if n in base and not torch.equal(merged[n], base[n])]
+    assert any("q_proj" in n for n in changed)  # the adapters' update is merged in
+    AutoModelForCausalLM.from_pretrained(ckpt / "model")
