@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit import gcpolicy, learner, rundir, trainer
 from rlkit.collectives import all_reduce, broadcast_object
-from rlkit.config.rules import local_path_exists, parse
+from rlkit.config.rules import local_path_exists, parse, validate
 from rlkit.config.schema import CONFIG_DIR, ConfigError, RLConfig, register_configs, to_dict
 from rlkit.data import loading
 from rlkit.data import sft as sft_data
@@ -111,7 +111,10 @@ def load_config(cfg, *, world_size: int = 1) -> RLConfig:
     local_path_exists("model.path", config.model.path)
     for check in (loading.check_config, learner.check_config, trainer.check_config, sft_data.check_config):
         check(config)
+    steps = config.trainer.steps
     rows_and_steps(config)
+    if config.trainer.steps != steps:  # sft.epochs set them: the rules that depend on the steps, again
+        validate(config, world_size=world_size)
     return config
 
 

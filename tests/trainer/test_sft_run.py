@@ -121,6 +121,13 @@ def test_epochs_set_the_steps(model_dir, tmp_path):
     assert cfg.trainer.steps == 2 * 64 // 16 and cfg.algo.policy_loss == "nll" and cfg.rollout.group_size == 1
 
 
+def test_steps_from_epochs_are_checked_like_given_steps(model_dir, tmp_path):
+    """64 rows, 16 a step: 4 steps, fewer than the 5 warm-up steps (trainer.steps=25 alone would pass)."""
+    extra = ("sft.epochs=1", "trainer.train_batch_size=16", "trainer.steps=25", "trainer.warmup_steps=5")
+    with pytest.raises(ConfigError, match=r"trainer.warmup_steps=5 exceeds the run's 4 optimizer steps"):
+        sft.load_config(compose(sft_overrides(model_dir, tmp_path / "r", *extra)))
+
+
 @pytest.mark.parametrize(
     "key, value", [("algo.kl_coef", 0.1), ("rollout.temperature", 0.7), ("algo.ppo_epochs", 2)]
 )
