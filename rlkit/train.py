@@ -43,6 +43,7 @@ def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
     from rlkit import learner, trainer
     from rlkit.config.rules import local_path_exists, model_folder_ok
+    from rlkit.data import sft
     from rlkit.rollout import engines, evaluation, producer
     from rlkit.rollout.remote import client
 
@@ -51,7 +52,7 @@ def preflight(cfg: RLConfig) -> None:
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
-        evaluation.check_config,
+        evaluation.check_config, sft.check_config,
         loading.check_data,  # loads the data (a data error stops the run here)
     ):  # fmt: skip
         check(cfg)
@@ -129,8 +130,9 @@ def _worker(config: dict) -> None:
     run(checked)
 
 
-def launch(cfg: RLConfig, num_processes: int) -> None:
-    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer.
+def launch(cfg: RLConfig, num_processes: int, worker=None) -> None:
+    """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer (or `worker`, a
+    module-level function of the config dict: `python -m rlkit.sft` runs its own).
 
     torch's launcher gives each rank a folder for its error file; without a log folder named it makes one under
     the temp folder (`torchelastic_*`) and never removes it. Here that folder is temporary, removed when the run
@@ -161,7 +163,7 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
         # The run directory's lock, taken by this process before Hydra wrote there, is held here for them.
         if rundir.RunDirLock.held(cfg.trainer.run_dir):
             os.environ[rundir.LOCK_HOLDER_ENV] = f"{os.getpid()}:{Path(cfg.trainer.run_dir).resolve()}"
-        elastic_launch(config, _worker)(to_dict(cfg))
+        elastic_launch(config, worker or _worker)(to_dict(cfg))
 
 
 def main_from_config(cfg: DictConfig) -> None:

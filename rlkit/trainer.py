@@ -51,7 +51,7 @@ from rlkit.weights import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "WeightSyncError", "check_config", "run"]
+__all__ = ["Trainer", "WeightSyncError", "check_config", "guard_run_dir", "run"]
 
 MODES = ("sync", "async")  # trainer.mode
 
@@ -70,6 +70,34 @@ def check_config(cfg: RLConfig) -> None:
         raise ConfigError(
             f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"
         )
+
+
+def guard_run_dir(run_dir: Path, resume: str, world: int, is_main: bool, *, record: dict | None = None):
+    """Lock `run_dir` for this run, check what it holds and choose the checkpoint to resume from (the newest
+    that verifies: rlkit.rundir), on rank 0 before any model loads; every rank raises rank 0's error. Returns
+    (the lock on rank 0 else None, the checkpoint or None). `record`: what the run's checkpoints record of its
+    config (`Trainer.resume_record`), which a resume must match. `python -m rlkit.sft` guards its run dir alike."""
+    lock = error = resume_from = None
+    if is_main:
+        try:
+            lock = rundir.RunDirLock.take(run_dir)
+            rundir.check_own_files(run_dir)
+            rundir.check_fresh_run(run_dir, resume)
+            resume_from = rundir.resume_path(run_dir, resume)
+            if resume_from is not None:
+                rundir.check_world_size(resume_from, world)
+                if record is not None:
+                    rundir.check_resume_keys(resume_from, record)
+            step = rundir.checkpoint_state(resume_from)["step"] if resume_from else 0
+            rundir.truncate_metrics(run_dir, step)
+        except Exception as e:
+            if lock is not None:
+                lock.release()
+            error = e
+    error, resume_from = broadcast_object((error, resume_from), world)
+    if error is not None:
+        raise error
+    return lock, resume_from
 
 
 class Trainer:
@@ -132,29 +160,9 @@ class Trainer:
         return rundir.resume_record(to_dict(self.cfg), model_shape(self.cfg.model.path))
 
     def _guard_run_dir(self):
-        """Lock run_dir for this run, check what it holds and choose the checkpoint to resume from (the
-        newest that verifies: rlkit.rundir), on rank 0 before any model loads; every rank raises rank 0's
-        error. Returns (the lock on rank 0 else None, the checkpoint or None)."""
-        lock = error = resume_from = None
-        if self.is_main:
-            try:
-                lock = rundir.RunDirLock.take(self.run_dir)
-                rundir.check_own_files(self.run_dir)
-                rundir.check_fresh_run(self.run_dir, self.cfg.trainer.resume)
-                resume_from = rundir.resume_path(self.run_dir, self.cfg.trainer.resume)
-                if resume_from is not None:
-                    rundir.check_world_size(resume_from, self.world)
-                    rundir.check_resume_keys(resume_from, self.resume_record())
-                step = rundir.checkpoint_state(resume_from)["step"] if resume_from else 0
-                rundir.truncate_metrics(self.run_dir, step)
-            except Exception as e:
-                if lock is not None:
-                    lock.release()
-                error = e
-        error, resume_from = broadcast_object((error, resume_from), self.world)
-        if error is not None:
-            raise error
-        return lock, resume_from
+        return guard_run_dir(
+            self.run_dir, self.cfg.trainer.resume, self.world, self.is_main, record=self.resume_record()
+        )
 
     def _make_rollouts(self) -> Rollouts:
         """The rollout half: colocated with this rank (sync), or in rollout worker processes (async)."""

@@ -32,6 +32,7 @@ __all__ = [
     "ppo_clip",
     "gspo",
     "cispo",
+    "nll",
     "value_loss",
     "aggregate",
     "policy_loss",
@@ -209,6 +210,17 @@ def cispo(
     return masked(loss, m), metrics
 
 
+def nll(logp: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Supervised fine-tuning's loss: the negative log-likelihood `-logp` of each target token, 0 at padding.
+
+    Aggregated with `token-mean` over the whole global batch (`aggregate` with its global `num_tokens`) it is the
+    mean cross-entropy over every loss token of the batch, as transformers' `labels` loss computes it for one
+    batch in one piece (tokens labelled -100 left out), whatever the micro-batches, packing and ranks.
+    """
+    m = as_bool_mask(mask, logp)
+    return masked(-as_float(logp), m), {}
+
+
 def value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -329,6 +341,12 @@ def _gspo(logp, old_logp, advantages, mask, params):
 @POLICY_LOSSES.register("cispo")
 def _cispo(logp, old_logp, advantages, mask, params):
     return cispo(logp, old_logp, advantages, mask, clip_low=params.clip_low, clip_high=params.clip_high)
+
+
+@POLICY_LOSSES.register("nll")
+def _nll(logp, old_logp, advantages, mask, params):
+    # Supervised fine-tuning (python -m rlkit.sft): no ratio, no advantage; the batch's tokens are the targets.
+    return nll(logp, mask)
 
 
 def policy_loss(name: str, logp, old_logp, advantages, mask, params) -> tuple[Tensor, dict[str, Tensor]]:

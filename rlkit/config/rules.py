@@ -142,6 +142,8 @@ RANGES: dict[str, Range] = {
     "trainer.max_staleness": _ge(0),
     "trainer.rollout_gpus": _ge(1),
     "trainer.log_samples": _ge(0),
+    "sft.max_length": _ge(2),
+    "sft.epochs": _ge(1),
     "eval.n": _ge(1),
     "eval.temperature": _ge(0),
     "env.max_turns": _ge(1),

@@ -214,7 +214,7 @@ class AlgoConfig:
     """Remove groups whose rewards are all equal from the training loss (never in eval; not with distillation,
     whose term is informative in every group)."""
     policy_loss: str = "ppo_clip"
-    """ppo_clip | gspo | cispo."""
+    """ppo_clip | gspo | cispo | nll (supervised fine-tuning's -log p of the batch's tokens: python -m rlkit.sft)."""
     clip_low: float = 0.2
     """Lower clip range of the ratio (1 - clip_low)."""
     clip_high: float = 0.2
@@ -462,6 +462,26 @@ class EvalConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`python -m rlkit.sft`: supervised fine-tuning rows, their length budget and the run length (rlkit/data/sft.py)."""
+
+    messages_key: str = "messages"
+    """Column holding a chat (a list of {role, content} messages: system, user, assistant, tool); the loss is on
+    every assistant turn. Rows without this column are prompt/completion pairs: data.prompt_key (templated as
+    RL prompts are: data.system_prompt, data.instruction) and sft.completion_key (the assistant's answer)."""
+    completion_key: Optional[str] = None
+    """Column holding the completion of prompt/completion rows; null = data.answer_key (the arithmetic and
+    GSM8K answers: the worked solution and `#### N`)."""
+    max_length: int = 1024
+    """Token budget of one row (template included); longer rows are handled as sft.overlong says, and counted."""
+    overlong: str = "truncate"
+    """truncate (keep the first sft.max_length tokens; a row left with no assistant token is dropped) | drop."""
+    epochs: Optional[int] = None
+    """Passes over the training rows: trainer.steps = ceil(epochs x rows / trainer.train_batch_size); null =
+    trainer.steps as given."""
+
+
+@dataclass
 class LoggerConfig:
     backend: str = "wandb"
     """wandb | console | none (metrics.jsonl in the run dir is always written)."""
@@ -486,6 +506,7 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 class ConfigError(ValueError):

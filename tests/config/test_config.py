@@ -325,6 +325,9 @@ BAD = [
     ("eval.ks", [1, 0], ["eval.ks=[1, 0]", "every k must be an integer >= 1"]),
     ("eval.seeds", [0, -3], ["eval.seeds=[0, -3]", "every seed must be an integer >= 0"]),
     ("eval.task_key", "", ["eval.task_key=''"]),
+    ("sft.messages_key", "", ["sft.messages_key=''"]),
+    ("sft.completion_key", " ", ["sft.completion_key=' '"]),
+    ("sft.overlong", "cut", ["sft.overlong='cut'", "truncate", "drop"]),
     ("eval.output", ".", ["eval.output='.' is a directory"]),
     # cross-key rules whose key is numeric
     ("algo.vf_coef", 0.0, ["algo.vf_coef=0 never trains the critic"], {"algo": "ppo"}),
@@ -389,7 +392,7 @@ OUT_OF_RANGE = {
     "model.lora.rank": -1, "model.lora.alpha": 0.0, "model.lora.dropout": 1.0,
     "trainer.max_staleness": -1, "trainer.rollout_gpus": 0, "trainer.max_nonfinite_steps": 0,
     "trainer.log_samples": -1, "eval.n": 0, "eval.temperature": -0.5,
-    "algo.max_token_staleness": -1,
+    "algo.max_token_staleness": -1, "sft.max_length": 1, "sft.epochs": 0,
 }  # fmt: skip
 
 

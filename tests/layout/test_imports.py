@@ -8,7 +8,7 @@ rlkit/ (nothing is imported).
     2 machines   learner/, rollout/engines/
     3 rollout    rollout/ (protocol, episodes, producer, local, scored, remote/)
     4 loop       step, sync, trainer (trainer -> step, sync sideways)
-    5 entry      train, eval
+    5 entry      train, eval, sft
 
 An import points to the same or a lower layer; there is no circle; learner/ and rollout/ never import each
 other; a `_private` name never crosses a module border; an import inside a function only defers a heavy
@@ -49,7 +49,7 @@ HEAVY = {
 
 
 def layer(module: str) -> int:
-    if module in ("rlkit.train", "rlkit.eval"):
+    if module in ("rlkit.train", "rlkit.eval", "rlkit.sft"):
         return 5
     if module in ("rlkit.trainer", "rlkit.step", "rlkit.sync"):
         return 4

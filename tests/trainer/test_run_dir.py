@@ -97,6 +97,7 @@ def _train(tmp_path, *args, env=None):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a `python -m rlkit.train` launch
 def test_a_second_run_in_a_held_run_dir_is_refused_before_hydra_writes_there(tmp_path):
     """The lock is taken in Hydra's on_run_start callback (rlkit.train.RunDirGuard), before Hydra saves
     `.hydra/config.yaml` and opens `train.log`. Before: the second run was refused by the trainer, after Hydra
@@ -128,6 +129,7 @@ def test_a_second_run_in_a_held_run_dir_is_refused_before_hydra_writes_there(tmp
     assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml"]
 
 
+@pytest.mark.slow  # a `python -m rlkit.train` launch
 def test_a_symlinked_train_log_is_refused_before_hydra_writes_through_it(tmp_path):
     """Hydra's log file (and every file rlkit writes in the run directory) is checked before Hydra opens it.
     Before: Hydra appended the run's log to the symlink's target."""
