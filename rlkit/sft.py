@@ -206,8 +206,9 @@ class SFTRun(contextlib.AbstractContextManager):
         log.info("checkpoint written: %s", final)
 
     def _stopping(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop is not None else 0.0], device=self.learner.device)
-        return bool(all_reduce(flag, self.world, self.learner.device)[0] > 0)
+        device = self.learner.device
+        flag = torch.tensor([1.0 if self._stop is not None else 0.0], device=device)
+        return bool(all_reduce(flag, self.world, device)[0] > 0)
 
     def _on_signal(self, signum, frame):
         self._stop = signum
