@@ -63,7 +63,9 @@ def pytest_collection_modifyitems(config, items):
         reason="needs a CUDA device (the gpu marker); scripts/gpu_check.py runs them there"
     )
     for item in items:
-        if "gpu" in item.keywords:
+        # The marker itself, not `item.keywords`: those hold every parent folder's name too, so a checkout in a
+        # folder named gpu (/work/wt/gpu, ~/gpu/rlkit) would skip the whole suite.
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
