@@ -170,3 +170,90 @@ def test_make_engine_hands_the_run_tokenizer_to_the_vllm_engine(fake_llm, fake_c
     assert handed.tokenizer is tok and loaded.tokenizer is not tok
     assert loaded.tokenizer.get_vocab() == tok.get_vocab()
     assert [b["tokenizer"] for b in fake_llm.built] == [b["model"] for b in fake_llm.built]
+
+
+# -- issue 61, item 1: a family on vLLM's Transformers backend, compiled (CUDA's default) ---------------------
+
+
+class CompilingLLM(FakeLLM):
+    """vllm.LLM for a model on vLLM's Transformers backend, as vLLM builds it on CUDA: unless eager, it decorates
+    the transformers decoder class for torch.compile (support_torch_compile) and compiles."""
+
+    decorated: list = []
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from transformers.models.olmo2 import modeling_olmo2
+        from vllm.config import CompilationMode
+
+        if not kwargs["enforce_eager"]:
+            modeling_olmo2.Olmo2Model.rlkit_test_compiled = True  # what the decoration adds to the class
+            CompilingLLM.decorated.append(modeling_olmo2.Olmo2Model)
+        mode = CompilationMode.NONE if kwargs["enforce_eager"] else CompilationMode.VLLM_COMPILE
+        self.llm_engine.vllm_config.compilation_config = types.SimpleNamespace(mode=mode)
+
+
+@pytest.fixture
+def compiling_llm(fake_llm, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", CompilingLLM)
+    CompilingLLM.decorated = []
+    yield CompilingLLM
+    for cls in CompilingLLM.decorated:  # a build that was not restored leaves it: undo it here
+        if "rlkit_test_compiled" in cls.__dict__:
+            del cls.rlkit_test_compiled
+
+
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory):
+    from model_families import build_family
+
+    return build_family("olmo2", tmp_path_factory.mktemp("olmo2"))
+
+
+def test_an_async_worker_builds_a_compiled_transformers_backend_model_and_keeps_its_decorated_class(
+    compiling_llm, olmo2
+):
+    """Not colocated (an async worker: no learner model in its process), nothing is refused and the class vLLM
+    decorated stays decorated, as its compiled model needs (today's main refused it after the whole build)."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    engine = vllm_engine.VLLMEngine(
+        olmo2, dtype="float32", kv_cache_gib=0.25, enforce_eager=False, colocated=False
+    )
+    assert len(compiling_llm.built) == 1 and engine.llm is not None
+    assert modeling_olmo2.Olmo2Model.__dict__.get("rlkit_test_compiled") is True
+
+
+def test_a_colocated_compiled_transformers_backend_model_is_refused_before_vllm_builds_anything(
+    compiling_llm, olmo2
+):
+    with pytest.raises(RuntimeError, match=r"Olmo2ForCausalLM.*enforce_eager=true.*trainer\.mode=async"):
+        vllm_engine.VLLMEngine(olmo2, dtype="float32", kv_cache_gib=0.25, enforce_eager=False)
+    assert compiling_llm.built == []  # refused before vllm.LLM (no compile, no graph capture)
+
+
+def test_a_colocated_eager_transformers_backend_model_builds_with_its_class_restored(compiling_llm, olmo2):
+    from transformers.models.olmo2 import modeling_olmo2
+
+    vllm_engine.VLLMEngine(olmo2, dtype="float32", kv_cache_gib=0.25, enforce_eager=True)
+    assert len(compiling_llm.built) == 1 and "rlkit_test_compiled" not in modeling_olmo2.Olmo2Model.__dict__
+
+
+def test_which_models_vllm_runs_on_its_transformers_backend_and_which_settings_compile():
+    from rlkit.rollout.engines.vllm_classes import transformers_backend, will_compile
+
+    for arch in ("Olmo2ForCausalLM", "GPTNeoXForCausalLM", "Starcoder2ForCausalLM", "PhiForCausalLM"):
+        assert transformers_backend([arch]), arch
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert not transformers_backend([arch]), arch
+    assert transformers_backend(["LlamaForCausalLM"], "transformers")
+    assert not transformers_backend(["Olmo2ForCausalLM"], "vllm")
+    assert will_compile(False) and not will_compile(True)
+    assert (
+        not will_compile(False, 0)
+        and not will_compile(False, {"mode": 1})
+        and will_compile(False, {"level": 3})
+    )
+    assert not will_compile(False, "NONE") and will_compile(False, {"cudagraph_mode": "FULL"})

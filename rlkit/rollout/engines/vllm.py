@@ -40,7 +40,7 @@ from rlkit.rollout.engines.base import (
     check_generate_args,
     record_throughput,
 )
-from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
+from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored, compiled_transformers_backend
 from rlkit.rollout.engines.vllm_logs import quiet_build_logs, quiet_push_logs
 from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
@@ -182,6 +182,12 @@ class VLLMEngine:
                 enforce_eager = on_cpu
 
             config = hf_config(model_path)
+            # Colocated: the learner's model shares this process's transformers classes (vllm_classes.py).
+            refusal = colocated and compiled_transformers_backend(
+                config, enforce_eager=enforce_eager, llm_kwargs=llm_kwargs
+            )
+            if refusal:
+                raise RuntimeError(refusal)
             if on_cpu:
                 # Whole prefills only: see the class docstring (seeded requests, CPU generators).
                 context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
@@ -205,8 +211,8 @@ class VLLMEngine:
             self.rank, _ = launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
             t0 = time.perf_counter()
-            restored = TransformersClassesRestored(type(meta))
-            with restored, older_objects_frozen():
+            restored = TransformersClassesRestored(type(meta)) if colocated else None
+            with restored or contextlib.nullcontext(), older_objects_frozen():
                 self.llm = LLM(
                     model=os.path.join(directory, gguf_file) if gguf_file else directory,
                     tokenizer=directory,
@@ -224,7 +230,8 @@ class VLLMEngine:
                     max_num_batched_tokens=max_num_batched_tokens,
                     **llm_kwargs,
                 )
-            restored.check_compiled(compiles(self.llm))
+            if restored is not None:
+                restored.check_compiled(compiles(self.llm))
             # Which model runner produced the numbers: vLLM 0.32 runs Model Runner V2 (its own sampler and
             # log-prob kernel) by default where Triton is (CUDA), V1 elsewhere (the CPU build CI runs).
             self.model_runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
