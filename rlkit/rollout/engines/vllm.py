@@ -442,7 +442,11 @@ class VLLMEngine:
         so another engine can be built in this process."""
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        with one_collection_after():  # vLLM's shutdown's own two, each over the whole process: skipped
+        # vLLM's shutdown runs two full collections over the whole process; one after the drop frees the same.
+        # Not with sleep mode: its CuMem allocator's teardown (release_pools) needs its gc.collect() to free
+        # the pool tensors before the allocator wrappers go (torch #145168); skipped, the process may crash at
+        # exit, or the next engine's build find the allocator taken ("one instance per process").
+        with contextlib.nullcontext() if self.sleep_enabled else one_collection_after():
             self.llm = None
         destroy_model_parallel()
         if self._owns_dist:
