@@ -296,3 +296,37 @@ def test_close_leaves_the_cumem_teardowns_collection_alone_with_sleep_mode(monke
     engine.close()
     assert engine.llm is None
     assert seen == (["in the teardown"] if sleep else ["after the drop"])
+
+
+# -- issue 61, item 11: the push runs in vLLM's config context ------------------------------------------------
+
+
+def test_worker_reload_runs_the_loaders_and_the_processing_in_vllms_config_context(monkeypatch):
+    """As vLLM's own Worker.reload_weights: quantised loaders and post-load processing read the current config
+    (vLLM 0.32's get_current_vllm_config asserts outside `set_current_vllm_config`)."""
+    from vllm.config import VllmConfig, get_current_vllm_config
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from rlkit.rollout.engines import vllm_reload
+
+    config, seen = VllmConfig(), []
+
+    def current(where):
+        seen.append((where, get_current_vllm_config() is config))
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights):
+            for _ in weights:
+                current("loader")
+
+    model = Model()
+    monkeypatch.setattr(layerwise, "initialize_layerwise_reload", lambda m: current("initialize"))
+    monkeypatch.setattr(layerwise, "finalize_layerwise_reload", lambda m, mc: current("processing"))
+    worker = types.SimpleNamespace(
+        vllm_config=config, model_config=None, model_runner=types.SimpleNamespace(get_model=lambda: model)
+    )
+    report = vllm_reload.worker_reload(worker, iter([("w", torch.zeros(1))]))
+    assert report["missed"] == [] and seen == [("initialize", True), ("loader", True), ("processing", True)]
+    seen.clear()
+    vllm_reload.worker_close_failed_reload(worker)
+    assert seen == [("processing", True)]
