@@ -367,7 +367,8 @@ def newest_version(sb: ScoredBatch) -> int:
 def check_inflight(cfg) -> None:
     """`trainer.inflight_updates`: one of INFLIGHT_MODES; other than "off" only in async mode, with the vLLM
     engine (the one that can take weights between its steps) and a behaviour-policy correction (rollout IS:
-    the batch is off-policy token by token)."""
+    the batch is off-policy token by token), and not with dynamic sampling over two or more rollout workers
+    (their refill's collectives and an in-flight push's broadcast would wait on each other)."""
     t, mode = cfg.trainer, cfg.trainer.inflight_updates
     choice("trainer.inflight_updates", mode, INFLIGHT_MODES)
     if mode == "off":
@@ -385,6 +386,16 @@ def check_inflight(cfg) -> None:
         raise ConfigError(
             f"{where} needs algo.rollout_is.enabled=true (decoupled PPO: each token is corrected against the "
             f"policy that sampled it); or set it to 'off'"
+        )
+    if cfg.algo.dynamic_sampling != "off" and t.rollout_gpus > 1:
+        # A worker that finished its generation waits in the refill's all-gather over the rollout world while
+        # another takes a push in flight; the push's broadcast needs every worker (NCCL's ring, gloo's tree
+        # with a relay from three workers on), so both wait until trainer.collective_timeout_s.
+        raise ConfigError(
+            f"{where} with algo.dynamic_sampling={cfg.algo.dynamic_sampling!r} and trainer.rollout_gpus="
+            f"{t.rollout_gpus} would deadlock: a worker waiting in the refill's all-gather cannot take part in the "
+            "push another worker takes in flight. Use one of: trainer.inflight_updates='off', "
+            "algo.dynamic_sampling='off', or trainer.rollout_gpus=1"
         )
 
 
