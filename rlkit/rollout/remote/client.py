@@ -57,6 +57,7 @@ from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import resolve_engine, torch_dtype
 from rlkit.rollout.engines.base import INFLIGHT_MODES
+from rlkit.rollout.remote.gpu_plan import check_reward_model_fits
 from rlkit.rollout.remote.messages import (
     TO_LEARNER,
     BatchShare,
@@ -453,6 +454,8 @@ def check_config(cfg) -> None:
         )
     if t.device != "cpu":
         check_gpu_layout(t)
+        if cfg.reward.model is not None:  # beside each worker's engine on its GPU (gpu_plan.py)
+            check_reward_model_fits(cfg, resolve_engine(r.engine, cfg.model.path, log_pick=False))
     if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
         log.warning(
             "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "
