@@ -6,6 +6,7 @@ launcher's variables, LD_PRELOAD, every RNG state, the CUDA generator's included
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import random
@@ -330,3 +331,79 @@ def test_worker_reload_runs_the_loaders_and_the_processing_in_vllms_config_conte
     seen.clear()
     vllm_reload.worker_close_failed_reload(worker)
     assert seen == [("processing", True)]
+
+
+# -- issue 61, item 8: sleep level 2 where a push comes before the next generation --------------------------------
+
+
+class SleepRecorder:
+    """Stands for vllm.LLM's sleep: records each level."""
+
+    def __init__(self):
+        self.levels = []
+
+    def sleep(self, level):
+        self.levels.append(level)
+
+
+def _sleeping_engine(level=None):
+    engine = object.__new__(vllm_engine.VLLMEngine)
+    default = inspect.signature(vllm_engine.VLLMEngine.__init__).parameters["sleep_level"].default
+    engine.sleep_enabled, engine.sleep_level = True, default if level is None else level
+    engine._asleep = engine._weights_awake = engine._weights_lost = False
+    engine.llm = SleepRecorder()
+    return engine
+
+
+def test_sleep_level_2_is_the_default_and_a_sleep_the_weights_must_outlast_is_level_1():
+    """Level 1 copies every weight to pinned host memory and back every step only for the push to overwrite
+    them; the training loop pushes before it generates again, so level 2 (drop them) is the default."""
+    engine = _sleeping_engine()
+    assert engine.sleep_level == 2
+    engine.sleep()
+    assert engine.llm.levels == [2] and engine._weights_lost  # generate now needs a push first
+    engine._asleep = False
+    engine.sleep(keep_weights=True)
+    assert engine.llm.levels == [2, 1] and not engine._weights_lost
+    chosen = _sleeping_engine(level=1)  # rollout.engine_kwargs.sleep_level=1 chooses offloading
+    chosen.sleep()
+    assert chosen.llm.levels == [1] and not chosen._weights_lost
+
+
+def test_the_build_takes_the_default_and_the_choice(fake_llm, fake_cuda, ckpt):
+    assert vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25).sleep_level == 2
+    assert vllm_engine.VLLMEngine(ckpt, dtype="float32", kv_cache_gib=0.25, sleep_level=1).sleep_level == 1
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("dynamic", "keep"), [("off", False), ("refill", True)])
+def test_the_producer_lets_the_engine_drop_its_weights_only_where_a_push_comes_next(dynamic, keep):
+    """One generation per step (then the update and its push): the sleep may drop the weights. A refill's
+    batches and an evaluation generate again before any push: their sleeps keep the weights."""
+    from rlkit.rollout.producer import Producer
+
+    sleeps = []
+    producer = object.__new__(Producer)
+    producer.engine = types.SimpleNamespace(
+        wake=lambda: None, sleep=lambda keep_weights: sleeps.append(keep_weights)
+    )
+    producer._awake, producer._push_comes_next = False, False
+    producer.cfg = types.SimpleNamespace(
+        algo=types.SimpleNamespace(dynamic_sampling=dynamic, max_gen_batches=1)
+    )
+    producer.group_size, producer.prompts_per_rank, producer.world = 2, 1, 1
+
+    def generate_and_score(step, batch, timers):
+        with producer.awake():
+            pass
+        raise Stop
+
+    producer._generate_and_score = generate_and_score
+    with pytest.raises(Stop):
+        producer.produce(0, None)
+    with producer.awake():  # an evaluation, or anything else outside produce
+        pass
+    assert sleeps == [keep, True] and producer._push_comes_next is False

@@ -114,9 +114,11 @@ class VLLMEngine:
     default on CPU is 1, where vLLM would otherwise read `gpu_memory_utilization` as a share of host
     RAM; None on CUDA = sized from `gpu_memory_utilization`), `enforce_eager` (None = True on CPU, where
     compilation costs ~80 s at start-up, False on CUDA), `max_model_len` (None = the model's),
-    `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (1:
-    offload weights and drop the KV cache; 2: drop both, weights must be pushed before the next
-    generate, which the trainer does after every update anyway), `run_tokenizer` (the run's tokenizer of
+    `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (2,
+    the default: drop the weights and the KV cache, the weights must be pushed before the next generate, which
+    the trainer does after every update anyway; 1: offload the weights to pinned host memory and back, a
+    model-sized pinned buffer per rank and two copies of every weight a step; a sleep that the weights must
+    outlast, `sleep(keep_weights=True)`, is level 1 whatever this says), `run_tokenizer` (the run's tokenizer of
     `model_path`, already loaded: not loaded a second time), and any other `vllm.LLM` keyword.
 
     Seeded sampling: vLLM gives every seeded request its own generator and, when it splits a
@@ -138,7 +140,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         max_model_len: int | None = None,
         enable_sleep_mode: bool | None = None,
-        sleep_level: int = 1,
+        sleep_level: int = 2,
         max_num_batched_tokens: int = 4096,
         enable_prefix_caching: bool = True,
         colocated: bool = True,
@@ -408,12 +410,15 @@ class VLLMEngine:
             dtype=torch.float32,
         )
 
-    def sleep(self) -> None:
-        """Free the KV cache (and offload or drop the weights, per `sleep_level`) for the learner."""
+    def sleep(self, *, keep_weights: bool = False) -> None:
+        """Free the KV cache, and drop the weights (`sleep_level` 2) or offload them (1), for the learner.
+        `keep_weights`: the engine generates again before the next push (a refill's next batch, an evaluation's
+        next step): level 1, so that the weights survive."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
+            level = 1 if keep_weights else self.sleep_level
+            self.llm.sleep(level=level)
             self._asleep, self._weights_awake = True, False
-            self._weights_lost = self.sleep_level == 2
+            self._weights_lost = level == 2
 
     def wake(self) -> None:
         if self._asleep:
