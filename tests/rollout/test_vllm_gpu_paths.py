@@ -407,3 +407,22 @@ def test_the_producer_lets_the_engine_drop_its_weights_only_where_a_push_comes_n
     with producer.awake():  # an evaluation, or anything else outside produce
         pass
     assert sleeps == [keep, True] and producer._push_comes_next is False
+
+
+@pytest.mark.parametrize(
+    ("mode", "eager", "refused"), [("sync", False, True), ("async", False, False), ("sync", True, False)]
+)
+def test_the_preflight_refuses_a_colocated_compiled_transformers_backend_family(olmo2, mode, eager, refused):
+    """Before any model loads: sync mode (colocated), vLLM compiling (here asked for; CUDA's default) and a family
+    on vLLM's Transformers backend; async (the engine in its own process) and eager mode pass."""
+    from rlkit.config.schema import ConfigError, RLConfig
+    from rlkit.rollout import engines
+
+    cfg = RLConfig()
+    cfg.model.path, cfg.rollout.engine, cfg.trainer.mode = olmo2, "vllm", mode
+    cfg.rollout.engine_kwargs = {"enforce_eager": eager}
+    if not refused:
+        engines.check_config(cfg)
+        return
+    with pytest.raises(ConfigError, match=r"Olmo2ForCausalLM.*enforce_eager=true.*trainer\.mode=async"):
+        engines.check_config(cfg)
