@@ -23,7 +23,8 @@ from rlkit.config.rules import fits_type, type_name
 from rlkit.config.schema import ConfigError
 from rlkit.lookup import Registry
 from rlkit.rollout.engines.base import RolloutEngine, Sampling
-from rlkit.rollout.engines.vllm import VLLMEngine, colocated_refusal, engine_arg_types, vllm_can_run
+from rlkit.rollout.engines.vllm import VLLMEngine, engine_arg_types, vllm_can_run
+from rlkit.rollout.engines.vllm_classes import colocated_refusal
 
 log = logging.getLogger(__name__)
 

@@ -473,21 +473,6 @@ __all__ = [
 ]
 
 
-def colocated_refusal(model_path: str, engine_kwargs: dict) -> str | None:
-    """The start-up form of the build's refusal (vllm_classes.compiled_transformers_backend) for a colocated
-    engine of `model_path` with `engine_kwargs`, before any model loads: None where it builds, or where the
-    model's config cannot be read here (the build decides then)."""
-    from vllm.platforms import current_platform
-
-    eager = engine_kwargs.get("enforce_eager")
-    try:
-        config = hf_config(model_path)
-    except Exception:  # a hub id without network, a path the data checks report: the build checks again
-        return None
-    eager = current_platform.is_cpu() if eager is None else eager
-    return compiled_transformers_backend(config, enforce_eager=eager, llm_kwargs=engine_kwargs)
-
-
 @quiet_build_logs()  # the import's notices (the start-up checks import vLLM first)
 def engine_arg_types() -> dict[str, object]:
     """vLLM's engine arguments and their annotations: the fields of `vllm.engine.arg_utils.EngineArgs`, which

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import sys
 
+from rlkit.rollout.engines.vllm_platform import hf_config
+
 REFUSAL = (
     "rollout.engine=vllm: vLLM runs this model ({arch}) through its Transformers backend and compiles it, which "
     "needs the transformers classes {classes} decorated in this process, where the learner's model is an "
@@ -116,3 +118,18 @@ class TransformersClassesRestored:
         backstop: `compiled_transformers_backend` refuses it before the build)."""
         if self.changed and compiled:
             raise RuntimeError(REFUSAL.format(arch=self.module.__name__, classes=self.changed))
+
+
+def colocated_refusal(model_path: str, engine_kwargs: dict) -> str | None:
+    """The start-up form of the build's refusal (vllm_classes.compiled_transformers_backend) for a colocated
+    engine of `model_path` with `engine_kwargs`, before any model loads: None where it builds, or where the
+    model's config cannot be read here (the build decides then)."""
+    from vllm.platforms import current_platform
+
+    eager = engine_kwargs.get("enforce_eager")
+    try:
+        config = hf_config(model_path)
+    except Exception:  # a hub id without network, a path the data checks report: the build checks again
+        return None
+    eager = current_platform.is_cpu() if eager is None else eager
+    return compiled_transformers_backend(config, enforce_eager=eager, llm_kwargs=engine_kwargs)
