@@ -68,6 +68,30 @@ def let_nccl_timeouts_reach_python() -> str | None:
     return None
 
 
+# torch's NCCL heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, default 480 s, ProcessGroupNCCL.hpp) ends
+# every rank that long after a collective's timeout: `CollectiveWatch.explain` must have named the stopped rank
+# before it. Its barrier waits at most this share of the heartbeat (the rest: the message, the kill, the exit).
+NCCL_HEARTBEAT = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+NCCL_HEARTBEAT_DEFAULT_S = 480.0
+BARRIER_SHARE_OF_HEARTBEAT = 0.5
+
+
+def nccl_heartbeat_s() -> float:
+    """NCCL's heartbeat timeout in this process (torch's default when the variable is unset or unreadable)."""
+    try:
+        return float(os.environ.get(NCCL_HEARTBEAT, NCCL_HEARTBEAT_DEFAULT_S))
+    except ValueError:
+        return NCCL_HEARTBEAT_DEFAULT_S
+
+
+def barrier_timeout_s(collective_timeout_s: float, heartbeat_s: float | None = None) -> float:
+    """How long `CollectiveWatch.explain`'s monitored barrier waits for the ranks: trainer.collective_timeout_s,
+    but at most half of NCCL's heartbeat timeout, so that the explanation prints before the heartbeat monitor
+    ends the process (with the defaults: 240 s, where 600 s never printed)."""
+    heartbeat = nccl_heartbeat_s() if heartbeat_s is None else heartbeat_s
+    return min(collective_timeout_s, BARRIER_SHARE_OF_HEARTBEAT * heartbeat)
+
+
 _host_timeout: timedelta | None = None  # trainer.collective_timeout_s, set by CollectiveWatch
 
 
@@ -100,11 +124,10 @@ class CollectiveWatch:
         if self.group is None or not is_timeout(error):
             return None
         rank = dist.get_rank()
-        log.error("rank %d: a collective timed out; checking which ranks still respond", rank)
+        wait_s = barrier_timeout_s(self.timeout_s)
+        log.error("rank %d: a collective timed out; checking which ranks still respond (%g s)", rank, wait_s)
         try:
-            dist.monitored_barrier(
-                group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True
-            )
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=wait_s), wait_all_ranks=True)
             who = "every rank responds again (one was slower than the timeout)"
         except RuntimeError as e:
             who = stopped_ranks_message(str(e), rank) + self._end_local(stopped_ranks(str(e)))

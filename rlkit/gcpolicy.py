@@ -12,7 +12,8 @@ build's own (`older_objects_frozen`), so garbage that holds GPU memory is freed 
 
 `older_objects_frozen`, around a vLLM engine build (rlkit/rollout/engines/vllm.py), keeps the build's own full
 collections from rescanning the process that existed before it; `one_collection_after`, around its close, runs
-one full collection where vLLM's shutdown and rlkit ran three.
+one full collection where vLLM's shutdown and rlkit ran three, but only for an engine without sleep mode: vLLM's
+CuMem allocator (sleep mode, CUDA) needs its shutdown's own `gc.collect()` (issue 61, item 4).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def one_collection_after():
     full collection runs when it ends. vLLM's shutdown unfreezes the heap and runs two full collections, each
     walking the whole process (~0.7 s with torch, transformers and vLLM imported, more in a process that has
     run for a while); they ran while the engine was still being dropped, so a third one after it freed what
-    its reference cycles held. The one after the drop frees all of it."""
+    its reference cycles held. The one after the drop frees all of it.
+
+    Never around an engine with sleep mode: vLLM's CuMem teardown (`release_pools`) collects before it drops the
+    allocator wrappers, so that no pool tensor is freed through a freed allocator (torch #145168)."""
     collect = gc.collect
     gc.collect = lambda generation=2: 0
     try:

@@ -281,6 +281,11 @@ def _finished(stats: dict, start: float) -> dict[str, float]:
 # -- across processes (trainer.mode=async: rlkit/rollout/remote/) ------------------------------------
 
 
+# How often send_weights polls a queued broadcast before a digest's copy to the host (a tensor's broadcast takes
+# milliseconds; a coarse poll would add its interval to every tensor of a verified push).
+DIGEST_POLL_S = 0.002
+
+
 def send_weights(
     pg, export: Export, dtype: torch.dtype, *, is_main: bool, device, digests: dict | None = None,
     timeout_s: float = 600.0, alive: Callable[[], None] | None = None,
@@ -307,6 +312,9 @@ def send_weights(
                 f"{names[i] if i < len(names) else 'nothing more'!r}; the workers receive in manifest order"
             )
         if digests is not None:
+            if work is not None:  # the digest's copy to the host queues behind the broadcasts sent so far: a
+                # dead receiver would hold it, unnamed, until NCCL's timeout; wait here with the liveness poll
+                wait_on_host(work, timeout_s, alive, poll_s=DIGEST_POLL_S)
             digests[name] = digest(tensor)
         _, work = broadcast(pg, tensor.detach(), device)
     if work is not None:

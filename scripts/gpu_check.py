@@ -14,6 +14,9 @@ What it runs, each part independent (a failing part is reported with its error; 
   from its config (random weights) in bf16 compute (scripts/bench_learner.py --config qwen2.5-0.5b);
 - `e2e`: 3 GRPO training steps of a tiny random model end to end with the HF engine on CUDA, under FSDP2
   over NCCL in one process (the arithmetic task, the exact-answer reward), with its metrics;
+- `vllm` (needs vLLM; skipped, saying so, without it): scripts/gpu_check_vllm.py's measurements, each in its
+  own process: the start-up probe's gap in fp32 and bf16 against rlkit's bound, sleep mode at levels 1 and 2
+  (sleep/wake/push seconds, memory freed, close()'s exit code), a verified push's digest seconds;
 - `tests`: the `gpu`-marked tests (pytest -m gpu), when pytest is installed.
 Hydra is not needed: the end-to-end config is merged with omegaconf from the config groups' YAML files and
 the quickstart_1digit recipe (`e2e_config`), then checked by the same rules and component checks as
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -69,7 +73,17 @@ WHEELS = (
 SOURCE_ONLY = ("antlr4-python3-runtime",)
 # What rlkit's learner imports beyond torch, transformers and accelerate (rlkit.config: omegaconf), as packages.
 CARRIED = ("omegaconf", "antlr4")
-PARTS = ("collectives", "fsdp2", "learner", "e2e", "tests")
+PARTS = ("collectives", "fsdp2", "learner", "e2e", "vllm", "tests")
+# The `vllm` part's measurements (scripts/gpu_check_vllm.py), each in a process of its own, in this order: the
+# probe's gap in fp32 and bf16 (issue 61 item 3), sleep mode at levels 1 and 2 with close()'s exit code (items 4
+# and 8), a verified push's digest seconds (item 7).
+VLLM_MEASURES = (
+    ("probe-float32", ["--measure", "probe", "--dtype", "float32"]),
+    ("probe-bfloat16", ["--measure", "probe", "--dtype", "bfloat16"]),
+    ("sleep-level-1", ["--measure", "sleep", "--level", "1"]),
+    ("sleep-level-2", ["--measure", "sleep", "--level", "2"]),
+    ("verify", ["--measure", "verify"]),
+)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -98,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--fsdp2-config", default="qwen2.5-0.5b", help="the fsdp2 part's model (bench_learner preset)"
     )
+    ap.add_argument("--vllm-model", default=None, help="the vllm part's model (default: a tiny random one)")
     ap.add_argument(
         "--peak-tflops", type=float, default=None, help="peak of one device for MFU (default: rlkit's)"
     )
@@ -338,6 +353,31 @@ def run_e2e(args, bundle: Path | None, device: dict) -> dict:
     }
 
 
+def run_vllm(args, device: dict) -> dict:
+    """The measurements of VLLM_MEASURES, each in its own process (vLLM's CuMem allocator takes one sleep-mode
+    engine per process; close()'s exit code is a result). Needs vLLM (the CUDA wheel; `sleep` needs CUDA too:
+    on CPU the engine has no sleep mode and says so). Each gives its exit code and its JSON line."""
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "needs vLLM (pip install rlkit[vllm]): the probe, sleep and verify measurements"}
+    out = {"needs": "vllm", "measures": {}}
+    for name, flags in VLLM_MEASURES:
+        cmd = [sys.executable, str(REPO / "scripts" / "gpu_check_vllm.py"), *flags]
+        if args.vllm_model:
+            cmd += ["--model", args.vllm_model]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO)
+        lines = [ln for ln in done.stdout.strip().splitlines() if ln.startswith("{")]
+        result = {"exit_code": done.returncode, "seconds": round(time.perf_counter() - t0, 2),
+                  "result": json.loads(lines[-1]) if lines else None}  # fmt: skip
+        if done.returncode != 0:
+            result["stderr"] = done.stderr[-3000:]
+        out["measures"][name] = result
+    # A measure that failed (or whose close() ended its process badly) fails the part, its numbers kept.
+    out["failed"] = [n for n, m in out["measures"].items() if m["exit_code"] != 0]
+    out["ok"] = not out["failed"]
+    return out
+
+
 def run_tests(args) -> dict:
     try:
         importlib.metadata.version("pytest")
@@ -383,6 +423,7 @@ def run_check(args) -> dict:
         "fsdp2": lambda: run_worker(args, "fsdp2"),
         "learner": lambda: run_learner(args, device),
         "e2e": lambda: run_e2e(args, bundle, device),
+        "vllm": lambda: run_vllm(args, device),
         "tests": lambda: run_tests(args),
     }
     for part in args.parts:

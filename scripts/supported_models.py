@@ -35,6 +35,14 @@ the same push and the same checks (digests and probe) in its own process. Whole 
 (`tests/trainer/test_families_train.py`): Qwen3-MoE on vLLM colocated and async, with `|mismatch/kl|` below
 1e-5 after every push, and DeepSeek-V2 refused at start-up with its measured gap.
 
+Where it was measured: every column on CPU (vLLM's CPU build, in eager mode, its CPU default; no GPU has run
+it). On CUDA vLLM compiles the model by default, and the families it runs through its Transformers backend
+(OLMo 2/3, SmolLM3, Starcoder2, GPT-NeoX, Phi-2, GLM) then need the transformers classes it decorates in the
+engine's process: colocated (`trainer.mode=sync`) such an engine is refused before it is built, naming the ways
+out (`rollout.engine_kwargs.enforce_eager=true`, or `trainer.mode=async`, whose workers build it compiled in
+their own process: `rlkit/rollout/engines/vllm_classes.py`, `tests/rollout/test_vllm_gpu_paths.py`). The
+log-prob gaps of the table are CPU ones; on a GPU the start-up probe measures its own.
+
 Mixture-of-experts models train without the router's auxiliary (load-balancing) loss: rlkit's loss is built
 from the log-probs alone, and the learner turns `output_router_logits` off, so no router logits are computed.
 The experts are sharded by FSDP2 like every parameter (`tests/learner/test_fsdp2_moe.py`).

@@ -89,6 +89,9 @@ class Producer:
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self._awake = False
+        # Whether the engine's next sleep may drop its weights (vLLM sleep level 2): only where a push comes
+        # before the next generation (`produce` without refill); everywhere else the weights are kept.
+        self._push_comes_next = False
         self._told_shortfall = False  # dynamic sampling: the first shortfall is logged, later ones counted
         self.scorer = scorer
         self.prompts = prompts
@@ -132,7 +135,7 @@ class Producer:
             yield
         finally:
             self._awake = False
-            self.engine.sleep()
+            self.engine.sleep(keep_weights=not self._push_comes_next)
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0, positions=None
@@ -248,7 +251,12 @@ class Producer:
     def produce(self, step: int, timers) -> ScoredBatch:
         a = self.cfg.algo
         if a.dynamic_sampling == "off":
-            piece = self._generate_and_score(step, 0, timers)
+            # One generation, then the update and its push: the engine's sleep may drop the weights.
+            self._push_comes_next = True
+            try:
+                piece = self._generate_and_score(step, 0, timers)
+            finally:
+                self._push_comes_next = False
             self.watch.end_step(step)  # loud failures (rlkit/rollout/failures.py)
             # The oldest version that sampled a token (the engine's, `step` in sync mode).
             return ScoredBatch(**piece, stats={}, policy_version=piece["rollout"].oldest_version(step))

@@ -150,3 +150,31 @@ def test_the_learners_accelerator_on_cuda_sets_the_nccl_error_handling_first(mon
 def test_nccls_timeout_errors_are_recognised(text):
     assert collectives.is_timeout(RuntimeError(text))
     assert not collectives.is_timeout(RuntimeError("CUDA out of memory"))
+
+
+@pytest.mark.parametrize(
+    ("collective_s", "heartbeat", "expected"),
+    [(600, None, 240.0), (600, "480", 240.0), (60, None, 60.0), (600, "1200", 600.0), (3000, "2000", 1000.0)],
+)
+def test_the_explaining_barrier_ends_well_before_nccls_heartbeat_ends_the_rank(
+    monkeypatch, collective_s, heartbeat, expected
+):
+    """Issue 61 item 9: torch's NCCL heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, 480 s unless set) ends
+    every rank that long after a collective timeout; the barrier that names the stopped rank waits at most half
+    of it (the explanation must print first), else trainer.collective_timeout_s."""
+    if heartbeat is None:
+        monkeypatch.delenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", heartbeat)
+    waits = []
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(
+        dist,
+        "monitored_barrier",
+        lambda group, timeout, wait_all_ranks: waits.append(timeout.total_seconds()),
+    )
+    watch = object.__new__(collectives.CollectiveWatch)
+    watch.timeout_s, watch.group, watch.places = collective_s, object(), []
+    assert watch.explain(RuntimeError("Watchdog caught collective operation timeout")) is not None
+    heartbeat_s = float(heartbeat or 480)
+    assert waits == [expected] and waits[0] <= heartbeat_s / 2 and waits[0] <= collective_s

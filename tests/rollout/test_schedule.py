@@ -115,6 +115,40 @@ def test_inflight_updates_need_a_behaviour_correction():
         check_inflight(cfg)
 
 
+@pytest.mark.parametrize(
+    ("inflight", "dynamic", "workers", "refused"),
+    [
+        ("recompute", "refill", 2, True),
+        ("keep_kv", "refill", 3, True),
+        ("recompute", "refill", 1, False),  # one worker: no all-gather over a rollout world
+        ("recompute", "off", 2, False),  # no refill: no collective among the workers while they generate
+        ("off", "refill", 2, False),  # pushes only between batches, where every worker is
+    ],
+)
+def test_in_flight_pushes_with_refill_over_several_workers_are_refused_at_start_up(
+    inflight, dynamic, workers, refused
+):
+    """Issue 61 item 2: a worker that finished waits in the refill's all-gather while another takes a push in
+    flight, whose broadcast needs the waiting one: both block until trainer.collective_timeout_s. Refused by
+    name, with the three ways out."""
+    from rlkit.config.schema import ConfigError, RLConfig
+    from rlkit.rollout.remote.client import check_inflight
+
+    cfg = RLConfig()
+    cfg.trainer.mode, cfg.rollout.engine, cfg.trainer.inflight_updates = "async", "vllm", inflight
+    cfg.algo.rollout_is.enabled, cfg.algo.dynamic_sampling, cfg.trainer.rollout_gpus = True, dynamic, workers
+    if not refused:
+        check_inflight(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_inflight(cfg)
+    for text in (
+        f"trainer.inflight_updates={inflight!r}", "algo.dynamic_sampling='refill'", f"trainer.rollout_gpus={workers}",
+        "deadlock", "trainer.inflight_updates='off'", "algo.dynamic_sampling='off'", "trainer.rollout_gpus=1",
+    ):  # fmt: skip
+        assert text in str(e.value), (text, str(e.value))
+
+
 def test_a_batch_with_in_flight_tokens_is_checked_against_the_versions_pushed():
     s = Schedule(staleness=1, steps=6)
     assert s.push(0, pending=0) == [0, 1]  # generated from version 0

@@ -178,3 +178,46 @@ print(json.dumps(result))
     # Every collective the learner makes ran on the group: its token counts (3 float64 values) among them.
     assert fsdp2["learner_collectives_on_the_group"] >= 3, fsdp2
     assert any(c.startswith("(3,) torch.float64") for c in fsdp2["collective_calls"]), fsdp2
+
+
+def test_the_vllm_part_says_it_needs_vllm_where_there_is_none(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    out = gpu_check.run_vllm(gpu_check.parse_args(["--parts", "vllm"]), {"type": "cuda"})
+    assert "needs vLLM" in out["skipped"]
+
+
+def test_the_vllm_part_runs_each_measure_in_its_own_process_and_keeps_a_failed_ones_exit_code(monkeypatch):
+    """Issue 61 items 3, 4, 7, 8: the probe in fp32 and bf16, sleep levels 1 and 2 (close()'s exit code), the
+    verify seconds; one process each (vLLM's CuMem allocator: one sleep-mode engine per process)."""
+    pytest.importorskip("vllm")
+    commands = []
+
+    def run(cmd, **kwargs):
+        commands.append(cmd)
+        # sleep level 2's process prints its line, then close() kills it (what item 4's crash would look like)
+        code = -11 if cmd[2:6] == ["--measure", "sleep", "--level", "2"] else 0
+        return subprocess.CompletedProcess(cmd, code, stdout='{"measured": 1}\n', stderr="Segmentation fault")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    args = gpu_check.parse_args(["--parts", "vllm", "--vllm-model", "/m"])
+    out = gpu_check.run_vllm(args, {"type": "cuda"})
+    assert [c[2:] for c in commands] == [
+        ["--measure", "probe", "--dtype", "float32", "--model", "/m"],
+        ["--measure", "probe", "--dtype", "bfloat16", "--model", "/m"],
+        ["--measure", "sleep", "--level", "1", "--model", "/m"],
+        ["--measure", "sleep", "--level", "2", "--model", "/m"],
+        ["--measure", "verify", "--model", "/m"],
+    ]
+    assert all(c[1].endswith("gpu_check_vllm.py") for c in commands)
+    assert out["ok"] is False and out["failed"] == ["sleep-level-2"]
+    level2 = out["measures"]["sleep-level-2"]
+    assert (
+        level2["exit_code"] == -11
+        and level2["result"] == {"measured": 1}
+        and "Segmentation" in level2["stderr"]
+    )

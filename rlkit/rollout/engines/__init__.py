@@ -24,6 +24,7 @@ from rlkit.config.schema import ConfigError
 from rlkit.lookup import Registry
 from rlkit.rollout.engines.base import RolloutEngine, Sampling
 from rlkit.rollout.engines.vllm import VLLMEngine, engine_arg_types, vllm_can_run
+from rlkit.rollout.engines.vllm_classes import colocated_refusal
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,17 @@ def check_config(cfg) -> None:
         ENGINES.check(r.engine)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    # Colocated with the learner (sync), vLLM compiling (CUDA's default, or asked for): a Transformers-backend
+    # family is refused before anything loads (vllm.colocated_refusal; the build refuses it again).
+    compiling = torch.cuda.is_available() or (r.engine_kwargs or {}).get("enforce_eager") is False
+    if (
+        cfg.trainer.mode == "sync"
+        and compiling
+        and resolve_engine(r.engine, cfg.model.path, log_pick=False) == "vllm"
+    ):
+        refusal = colocated_refusal(cfg.model.path, dict(r.engine_kwargs or {}))
+        if refusal:
+            raise ConfigError(refusal)
     if not r.engine_kwargs:
         return
     engine = resolve_engine(r.engine, cfg.model.path)

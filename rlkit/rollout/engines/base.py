@@ -75,8 +75,9 @@ class RolloutEngine(Protocol):
         engine's own weights before anything is copied; returns the number of tensors loaded."""
         ...
 
-    def sleep(self) -> None:
-        """Free KV cache / weights memory while the learner trains (no-op where unsupported)."""
+    def sleep(self, *, keep_weights: bool = False) -> None:
+        """Free KV cache / weights memory while the learner trains (no-op where unsupported). `keep_weights`: the
+        engine generates again before the next push, so its weights must survive the sleep."""
         ...
 
     def wake(self) -> None:

@@ -251,8 +251,9 @@ class HFEngine:
         """None: this engine holds the checkpoint's layout, so a push is checked tensor for tensor."""
         return None
 
-    def sleep(self) -> None:
-        """Move the model off the GPU while the learner trains (nothing to free on CPU)."""
+    def sleep(self, *, keep_weights: bool = False) -> None:
+        """Move the model off the GPU while the learner trains (nothing to free on CPU); the weights always
+        survive (`keep_weights` changes nothing here)."""
         if self.device.type != "cpu" and not self._sleeping:
             self.model.to("cpu")
             torch.cuda.empty_cache()

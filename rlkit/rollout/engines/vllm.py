@@ -40,7 +40,7 @@ from rlkit.rollout.engines.base import (
     check_generate_args,
     record_throughput,
 )
-from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
+from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored, compiled_transformers_backend
 from rlkit.rollout.engines.vllm_logs import quiet_build_logs, quiet_push_logs
 from rlkit.rollout.engines.vllm_memory import memory_plan
 from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
@@ -114,9 +114,11 @@ class VLLMEngine:
     default on CPU is 1, where vLLM would otherwise read `gpu_memory_utilization` as a share of host
     RAM; None on CUDA = sized from `gpu_memory_utilization`), `enforce_eager` (None = True on CPU, where
     compilation costs ~80 s at start-up, False on CUDA), `max_model_len` (None = the model's),
-    `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (1:
-    offload weights and drop the KV cache; 2: drop both, weights must be pushed before the next
-    generate, which the trainer does after every update anyway), `run_tokenizer` (the run's tokenizer of
+    `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (2,
+    the default: drop the weights and the KV cache, the weights must be pushed before the next generate, which
+    the trainer does after every update anyway; 1: offload the weights to pinned host memory and back, a
+    model-sized pinned buffer per rank and two copies of every weight a step; a sleep that the weights must
+    outlast, `sleep(keep_weights=True)`, is level 1 whatever this says), `run_tokenizer` (the run's tokenizer of
     `model_path`, already loaded: not loaded a second time), and any other `vllm.LLM` keyword.
 
     Seeded sampling: vLLM gives every seeded request its own generator and, when it splits a
@@ -138,7 +140,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         max_model_len: int | None = None,
         enable_sleep_mode: bool | None = None,
-        sleep_level: int = 1,
+        sleep_level: int = 2,
         max_num_batched_tokens: int = 4096,
         enable_prefix_caching: bool = True,
         colocated: bool = True,
@@ -182,6 +184,12 @@ class VLLMEngine:
                 enforce_eager = on_cpu
 
             config = hf_config(model_path)
+            # Colocated: the learner's model shares this process's transformers classes (vllm_classes.py).
+            refusal = colocated and compiled_transformers_backend(
+                config, enforce_eager=enforce_eager, llm_kwargs=llm_kwargs
+            )
+            if refusal:
+                raise RuntimeError(refusal)
             if on_cpu:
                 # Whole prefills only: see the class docstring (seeded requests, CPU generators).
                 context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
@@ -205,8 +213,8 @@ class VLLMEngine:
             self.rank, _ = launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
             t0 = time.perf_counter()
-            restored = TransformersClassesRestored(type(meta))
-            with restored, older_objects_frozen():
+            restored = TransformersClassesRestored(type(meta)) if colocated else None
+            with restored or contextlib.nullcontext(), older_objects_frozen():
                 self.llm = LLM(
                     model=os.path.join(directory, gguf_file) if gguf_file else directory,
                     tokenizer=directory,
@@ -224,7 +232,8 @@ class VLLMEngine:
                     max_num_batched_tokens=max_num_batched_tokens,
                     **llm_kwargs,
                 )
-            restored.check_compiled(compiles(self.llm))
+            if restored is not None:
+                restored.check_compiled(compiles(self.llm))
             # Which model runner produced the numbers: vLLM 0.32 runs Model Runner V2 (its own sampler and
             # log-prob kernel) by default where Triton is (CUDA), V1 elsewhere (the CPU build CI runs).
             self.model_runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
@@ -401,12 +410,15 @@ class VLLMEngine:
             dtype=torch.float32,
         )
 
-    def sleep(self) -> None:
-        """Free the KV cache (and offload or drop the weights, per `sleep_level`) for the learner."""
+    def sleep(self, *, keep_weights: bool = False) -> None:
+        """Free the KV cache, and drop the weights (`sleep_level` 2) or offload them (1), for the learner.
+        `keep_weights`: the engine generates again before the next push (a refill's next batch, an evaluation's
+        next step): level 1, so that the weights survive."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
+            level = 1 if keep_weights else self.sleep_level
+            self.llm.sleep(level=level)
             self._asleep, self._weights_awake = True, False
-            self._weights_lost = self.sleep_level == 2
+            self._weights_lost = level == 2
 
     def wake(self) -> None:
         if self._asleep:
@@ -435,7 +447,11 @@ class VLLMEngine:
         so another engine can be built in this process."""
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        with one_collection_after():  # vLLM's shutdown's own two, each over the whole process: skipped
+        # vLLM's shutdown runs two full collections over the whole process; one after the drop frees the same.
+        # Not with sleep mode: its CuMem allocator's teardown (release_pools) needs its gc.collect() to free
+        # the pool tensors before the allocator wrappers go (torch #145168); skipped, the process may crash at
+        # exit, or the next engine's build find the allocator taken ("one instance per process").
+        with contextlib.nullcontext() if self.sleep_enabled else one_collection_after():
             self.llm = None
         destroy_model_parallel()
         if self._owns_dist:

@@ -9,14 +9,76 @@ decorated `__init__`'s attributes: its first forward fails (`'Olmo2Model' object
 before the engine is built and puts back what building changed.
 
 Restoring is exact for the engine too when vLLM does not compile that model (eager mode, the CPU default: the
-decorated `__call__` then only forwards to `forward`). When it does compile it, the engine's model needs the
-decorated class and the learner needs the plain one in the same process: that is refused, naming the ways out
-(rollout.engine_kwargs.enforce_eager=true, or trainer.mode=async, where the engine has its own process).
+decorated `__call__` then only forwards to `forward`). When it does compile it (CUDA's default), the engine's
+model needs the decorated class and the learner needs the plain one in the same process: that is refused,
+naming the ways out (rollout.engine_kwargs.enforce_eager=true, or trainer.mode=async, where the engine has its
+own process). The refusal is decided before the build, from the model's config and the engine's settings
+(`compiled_transformers_backend`), so it costs nothing; an engine that is not colocated (an async rollout
+worker: no learner model in its process) is neither refused nor restored: its compiled model keeps the
+decorated class it needs.
 """
 
 from __future__ import annotations
 
 import sys
+
+from rlkit.rollout.engines.vllm_platform import hf_config
+
+REFUSAL = (
+    "rollout.engine=vllm: vLLM runs this model ({arch}) through its Transformers backend and compiles it, which "
+    "needs the transformers classes {classes} decorated in this process, where the learner's model is an "
+    "instance of the plain class. Build the engine in eager mode (rollout.engine_kwargs.enforce_eager=true) or "
+    "give it its own process (trainer.mode=async)"
+)
+
+
+def transformers_backend(architectures, model_impl: str = "auto") -> bool:
+    """Whether vLLM 0.32 runs a model of these `architectures` (its config's) through its Transformers backend,
+    as its registry resolves them (`_ModelRegistry.resolve_model_cls`): `model_impl="transformers"` asks for it;
+    with "auto", the first architecture vLLM knows decides (its module is vLLM's `transformers` for the families
+    vLLM has no model of its own for: OLMo 2/3, SmolLM3, Starcoder2, GPT-NeoX, Phi-2, GLM, ...), and one it
+    does not know at all falls back to the backend when transformers has the class."""
+    import transformers
+    from vllm.model_executor.models import ModelRegistry
+
+    if model_impl == "transformers":
+        return True
+    if model_impl != "auto" or not architectures:
+        return False
+    known = [ModelRegistry.models[a] for a in architectures if a in ModelRegistry.models]
+    if not known:
+        return getattr(transformers, architectures[0], None) is not None
+    return getattr(known[0], "module_name", "").rsplit(".", 1)[-1] == "transformers"
+
+
+def will_compile(enforce_eager: bool, compilation_config=None) -> bool:
+    """Whether vLLM 0.32 compiles the model it builds with these settings: not in eager mode (which sets
+    `CompilationMode.NONE`), unless `compilation_config` (vllm.LLM's keyword: a mode number, a dict with `mode`
+    or `level`, or a CompilationConfig) asks for none (0) or stock torch.compile (1), which do not use the
+    `support_torch_compile` decoration."""
+    if enforce_eager:
+        return False
+    mode = compilation_config
+    if isinstance(compilation_config, dict):
+        mode = compilation_config.get("mode", compilation_config.get("level"))
+    elif compilation_config is not None and not isinstance(compilation_config, (int, str)):
+        mode = getattr(compilation_config, "mode", None)
+    if mode is None:
+        return True
+    if isinstance(mode, str):
+        return mode.upper() not in ("0", "1", "NONE", "STOCK_TORCH_COMPILE")
+    return int(mode) not in (0, 1)
+
+
+def compiled_transformers_backend(config, *, enforce_eager: bool, llm_kwargs: dict) -> str | None:
+    """The refusal of a colocated engine, or None: vLLM would run the model of HF `config` through its
+    Transformers backend and compile it (see the module docstring). Decided before the build."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not transformers_backend(architectures, llm_kwargs.get("model_impl", "auto")):
+        return None
+    if not will_compile(enforce_eager, llm_kwargs.get("compilation_config")):
+        return None
+    return REFUSAL.format(arch=", ".join(architectures) or "?", classes="of its module")
 
 
 def _snapshot(module) -> dict[type, tuple[tuple, dict]]:
@@ -52,12 +114,22 @@ class TransformersClassesRestored:
                     setattr(cls, name, value)
 
     def check_compiled(self, compiled: bool) -> None:
-        """After the build: refuse when vLLM compiles a model whose class it had decorated (see the module
-        docstring)."""
+        """After the build of a colocated engine: refuse when vLLM compiles a model whose class it had decorated (a
+        backstop: `compiled_transformers_backend` refuses it before the build)."""
         if self.changed and compiled:
-            raise RuntimeError(
-                f"rollout.engine=vllm: vLLM runs this model through its Transformers backend and compiles it, "
-                f"which needs the transformers classes {self.changed} decorated in this process, where the "
-                "learner's model is an instance of the plain class. Build the engine in eager mode "
-                "(rollout.engine_kwargs.enforce_eager=true) or give it its own process (trainer.mode=async)"
-            )
+            raise RuntimeError(REFUSAL.format(arch=self.module.__name__, classes=self.changed))
+
+
+def colocated_refusal(model_path: str, engine_kwargs: dict) -> str | None:
+    """The start-up form of the build's refusal (vllm_classes.compiled_transformers_backend) for a colocated
+    engine of `model_path` with `engine_kwargs`, before any model loads: None where it builds, or where the
+    model's config cannot be read here (the build decides then)."""
+    from vllm.platforms import current_platform
+
+    eager = engine_kwargs.get("enforce_eager")
+    try:
+        config = hf_config(model_path)
+    except Exception:  # a hub id without network, a path the data checks report: the build checks again
+        return None
+    eager = current_platform.is_cpu() if eager is None else eager
+    return compiled_transformers_backend(config, enforce_eager=eager, llm_kwargs=engine_kwargs)

@@ -164,7 +164,18 @@ def _redo_cpu_expert_prepack(model, touched: set[str]) -> list[str]:
 
 
 def worker_reload(worker, weights) -> dict:
-    """Runs in the worker: reload `weights` (checkpoint names and layouts) in place; see the module docstring."""
+    """Runs in the worker: reload `weights` (checkpoint names and layouts) in place; see the module docstring.
+
+    Inside `set_current_vllm_config(worker.vllm_config)`, as vLLM's own `Worker.reload_weights` runs it: the
+    layers' weight loaders and post-load processing (quantised methods, custom ops) read the current config, and
+    vLLM 0.32's `get_current_vllm_config` asserts outside that context."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        return _reload(worker, weights)
+
+
+def _reload(worker, weights) -> dict:
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -195,10 +206,13 @@ def worker_reload(worker, weights) -> dict:
 
 
 def worker_close_failed_reload(worker) -> None:
-    """Runs in the worker: finish the layer-by-layer reload state a failed reload left open."""
+    """Runs in the worker: finish the layer-by-layer reload state a failed reload left open (in vLLM's config
+    context, as `worker_reload`)."""
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-    finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
 
 
 def worker_tensors(worker) -> dict[str, int]:

@@ -57,6 +57,7 @@ from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import resolve_engine, torch_dtype
 from rlkit.rollout.engines.base import INFLIGHT_MODES
+from rlkit.rollout.remote.gpu_plan import check_reward_model_fits
 from rlkit.rollout.remote.messages import (
     TO_LEARNER,
     BatchShare,
@@ -367,7 +368,8 @@ def newest_version(sb: ScoredBatch) -> int:
 def check_inflight(cfg) -> None:
     """`trainer.inflight_updates`: one of INFLIGHT_MODES; other than "off" only in async mode, with the vLLM
     engine (the one that can take weights between its steps) and a behaviour-policy correction (rollout IS:
-    the batch is off-policy token by token)."""
+    the batch is off-policy token by token), and not with dynamic sampling over two or more rollout workers
+    (their refill's collectives and an in-flight push's broadcast would wait on each other)."""
     t, mode = cfg.trainer, cfg.trainer.inflight_updates
     choice("trainer.inflight_updates", mode, INFLIGHT_MODES)
     if mode == "off":
@@ -385,6 +387,16 @@ def check_inflight(cfg) -> None:
         raise ConfigError(
             f"{where} needs algo.rollout_is.enabled=true (decoupled PPO: each token is corrected against the "
             f"policy that sampled it); or set it to 'off'"
+        )
+    if cfg.algo.dynamic_sampling != "off" and t.rollout_gpus > 1:
+        # A worker that finished its generation waits in the refill's all-gather over the rollout world while
+        # another takes a push in flight; the push's broadcast needs every worker (NCCL's ring, gloo's tree
+        # with a relay from three workers on), so both wait until trainer.collective_timeout_s.
+        raise ConfigError(
+            f"{where} with algo.dynamic_sampling={cfg.algo.dynamic_sampling!r} and trainer.rollout_gpus="
+            f"{t.rollout_gpus} would deadlock: a worker waiting in the refill's all-gather cannot take part in the "
+            "push another worker takes in flight. Use one of: trainer.inflight_updates='off', "
+            "algo.dynamic_sampling='off', or trainer.rollout_gpus=1"
         )
 
 
@@ -442,6 +454,8 @@ def check_config(cfg) -> None:
         )
     if t.device != "cpu":
         check_gpu_layout(t)
+        if cfg.reward.model is not None:  # beside each worker's engine on its GPU (gpu_plan.py)
+            check_reward_model_fits(cfg, resolve_engine(r.engine, cfg.model.path, log_pick=False))
     if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
         log.warning(
             "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "

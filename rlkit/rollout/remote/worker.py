@@ -23,6 +23,7 @@ from rlkit.models import load_tokenizer
 from rlkit.rewards.scorer import die_with_parent
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.local import LocalRollouts, check_engine_probe
+from rlkit.rollout.remote.gpu_plan import engine_kwargs_beside_reward_model
 from rlkit.rollout.remote.messages import (
     TO_WORKER,
     BatchShare,
@@ -79,7 +80,11 @@ def join_world(r: int, R: int, device, timeout_s: float) -> None:
 
 def worker_rollouts(cfg, r: int, R: int, device) -> LocalRollouts:
     """Worker `r`'s rollouts. On a GPU the engine is not colocated with a learner: it has the GPU to itself
-    (its memory share and no sleep mode: rlkit.rollout.engines.vllm_memory.memory_plan)."""
+    (its memory share and no sleep mode: rlkit.rollout.engines.vllm_memory.memory_plan), less what a reward
+    model on the same GPU needs (gpu_plan.py)."""
+    kwargs = engine_kwargs_beside_reward_model(cfg, device)
+    if kwargs != dict(cfg.rollout.engine_kwargs or {}):
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine_kwargs=kwargs))
     return LocalRollouts(
         cfg, rank=r, world=R, device=device, tokenizer=load_tokenizer(cfg.model.path),
         reward_dtype=torch_dtype(cfg.model.dtype), colocated=device.type != "cuda",
