@@ -11,8 +11,14 @@ launcher), or in the processes `torchrun` / `accelerate launch` started (RANK / 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import signal
+import sys
+import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -35,6 +41,13 @@ log = logging.getLogger(__name__)
 
 # Recipes (recipes/*.yaml) become the Hydra group `recipe`, so `+recipe=NAME` works from any folder.
 register_configs()
+
+LAUNCHER_POLL_S = 0.5
+"""How often a rank started by `launch` checks that its launcher is alive (`follow_launcher`)."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a run gracefully (finish the step, write a checkpoint, exit 0: rlkit/trainer.py); the
+launcher passes them on to its ranks (`launch`)."""
 
 
 def preflight(cfg: RLConfig) -> None:
@@ -110,20 +123,71 @@ def default_num_processes(cfg: DictConfig) -> int:
     return fits[0]
 
 
-def _worker(config: dict) -> None:
-    """Entry of each process started by `launch` (module level so it can be pickled)."""
-    with gcpolicy.setup_phase():  # the imports and checks without automatic garbage collection (gcpolicy.py)
-        import torch
+def _worker(config: dict, launcher: int | None = None, logs: str | None = None) -> None:
+    """Entry of each process started by `launch` (module level so it can be pickled). `launcher`: the pid of
+    the process that started it, whose death ends this rank (`follow_launcher`); `logs`: its temp folder."""
+    if launcher is not None:
+        follow_launcher(launcher, logs)
+    try:
+        with (
+            gcpolicy.setup_phase()
+        ):  # the imports and checks without automatic garbage collection (gcpolicy.py)
+            import torch
 
-        from rlkit.trainer import run
+            from rlkit.trainer import run
 
-        if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-            # Processes share the cores; without this each one starts a thread per core.
-            torch.set_num_threads(
-                max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            )
-        checked = load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    run(checked)
+            if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+                # Processes share the cores; without this each one starts a thread per core.
+                torch.set_num_threads(
+                    max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                )
+            checked = load_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        run(checked)
+    except BaseException:
+        if launcher is not None and os.getppid() != launcher:
+            traceback.print_exc()
+            _leave(1, logs)
+        raise
+    if launcher is not None and os.getppid() != launcher:
+        _leave(0, logs)
+
+
+def follow_launcher(launcher: int, logs: str | None) -> None:
+    """In a rank started by `launch`: when the launcher (pid `launcher`) is gone (SIGKILLed), this rank stops.
+
+    A thread checks every `LAUNCHER_POLL_S` that the rank's parent is still the launcher (so a launcher that
+    died before this rank got here is seen too); when it is not, it removes the launcher's temp folder `logs`
+    (the launcher's own clean-up never ran) and sends this rank SIGTERM: in training that is the trainer's
+    "finish this step, write a checkpoint, exit" (rlkit/trainer.py), before it the default (the rank ends).
+    torch's spawn wrapper sets the parent-death signal to SIGINT; it is cleared, so one signal stops a rank.
+    The ranks of a run get it alike, so the stop flag's all-reduce sees every rank stopping at the same step."""
+    import ctypes
+    import threading
+
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the thread below still watches
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0)  # PR_SET_PDEATHSIG: none
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_POLL_S)
+        if logs is not None:
+            shutil.rmtree(logs, ignore_errors=True)
+        log.warning("the launcher (pid %d) is gone: stopping this rank", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="rlkit-launcher-watch").start()
+
+
+def _leave(status: int, logs: str | None) -> None:
+    """End a rank whose launcher is gone: torch's wrapper would wait forever for the launcher to read the
+    rank's result. Streams flushed, the launcher's temp folder removed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if logs is not None:
+        shutil.rmtree(logs, ignore_errors=True)
+    os._exit(status)
 
 
 def launch(cfg: RLConfig, num_processes: int) -> None:
@@ -131,7 +195,14 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
 
     torch's launcher gives each rank a folder for its error file; without a log folder named it makes one under
     the temp folder (`torchelastic_*`) and never removes it. Here that folder is temporary, removed when the run
-    ends however it ends (a failed rank's error is already read into the raised error by then)."""
+    ends however it ends (a failed rank's error is already read into the raised error by then; a SIGKILLed
+    launcher's by its ranks, `follow_launcher`).
+
+    Signals: SIGTERM, SIGINT or SIGHUP to the launcher is passed on to the ranks, which finish their step, write
+    a checkpoint and return, so the run ends as a finished one does (status 0). torch's launcher would instead
+    send the signal and stop reading the ranks' results, and a rank that returned waited for that read until
+    the launcher's shutdown timeout SIGKILLed it (trainer.collective_timeout_s, 600 s by default). A second
+    signal is torch's: it sends the signal again and SIGKILLs what is left after the shutdown timeout."""
     import tempfile
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -153,9 +224,47 @@ def launch(cfg: RLConfig, num_processes: int) -> None:
             # never exits by itself).
             shutdown_timeout=max(1, int(cfg.trainer.collective_timeout_s)),
             logs_specs=DefaultLogsSpecs(log_dir=logs),
+            signals_to_handle="SIGQUIT",  # torch's handler; the stop signals are `_passing_stop_signals`'
         )
         # The resolved config travels to the children, so they all agree on run_dir and every other value.
-        elastic_launch(config, _worker)(to_dict(cfg))
+        with _passing_stop_signals():
+            elastic_launch(config, _worker)(to_dict(cfg), os.getpid(), logs)
+
+
+@contextlib.contextmanager
+def _passing_stop_signals():
+    """While torch's launcher runs: the first of `STOP_SIGNALS` goes to the ranks (the launcher keeps reading
+    their results), a later one is torch's (its SignalException: signal the ranks, SIGKILL after the shutdown
+    timeout). torch installs its own handlers for LaunchConfig.signals_to_handle when it starts the ranks; `launch`
+    narrows that to SIGQUIT, so these handlers stay."""
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    received: list[int] = []
+
+    def pass_on(signum, frame) -> None:
+        if received:
+            raise SignalException(
+                f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum)
+            )
+        received.append(signum)
+        log.warning(
+            "launcher: signal %d passed on to the ranks (they finish their step, checkpoint, exit)", signum
+        )
+        for child in multiprocessing.active_children():  # the ranks (torch starts them with multiprocessing)
+            with contextlib.suppress(OSError, TypeError):
+                os.kill(child.pid, signum)
+
+    before = {}
+    for signum in STOP_SIGNALS:
+        with contextlib.suppress(ValueError):  # not the main thread: torch's handling, as before
+            before[signum] = signal.signal(signum, pass_on)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def main_from_config(cfg: DictConfig) -> None:
