@@ -31,7 +31,7 @@ SLOW = (
     "learner/test_compiled.py", "learner/test_fsdp2.py", "learner/test_fsdp2_moe.py", "learner/test_distributed.py",
     "learner/test_learner.py",
     "rewards/test_correct.py", "rewards/test_reward_model.py", "rewards/test_reward_contract.py",
-    "rewards/test_reward_workers.py",
+    "rewards/test_reward_workers.py", "rewards/test_cgroup_trust.py",
     "data/test_reasoning_gym.py",
     "eval/test_eval.py",
     "misc/test_bench.py", "misc/test_wheel.py", "misc/test_gpu_check.py", "misc/test_step_in_40_lines.py",
