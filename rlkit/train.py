@@ -53,6 +53,7 @@ launcher passes them on to its ranks (`launch`)."""
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
     from rlkit import learner, trainer
+    from rlkit import logging as sinks
     from rlkit.config.rules import local_path_exists
     from rlkit.rollout import engines, evaluation, producer
     from rlkit.rollout.remote import client
@@ -61,7 +62,7 @@ def preflight(cfg: RLConfig) -> None:
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
-        evaluation.check_config,
+        evaluation.check_config, sinks.check_config,
         loading.check_data,  # loads the data (a data error stops the run here)
     ):  # fmt: skip
         check(cfg)
