@@ -33,7 +33,7 @@ from rlkit import gcpolicy, rundir
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, device_peak, step_rates
+from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, cached_cpu_peak, device_peak, step_rates
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
@@ -203,9 +203,14 @@ class Trainer:
                     metrics[f"{key}/staleness_{staleness}"] = metrics[key]
         return metrics
 
-    def _remeasure_peak(self) -> float:
-        """The device peak measured again on rank 0 (every rank gets the same figure)."""
-        fresh = device_peak(self.device, self.learner.compute_dtype)[0] if self.is_main else None
+    def _remeasure_peak(self, achieved: float) -> float:
+        """The CPU peak measured again on rank 0 (not the cached figure), stored with the rate a phase achieved
+        if higher, so the next runs start from it; every rank gets the same figure."""
+        fresh = (
+            cached_cpu_peak(self.learner.compute_dtype, fresh=True, at_least=achieved)[0]
+            if self.is_main
+            else None
+        )
         return broadcast_object(fresh, self.world)
 
     # -- eval ----------------------------------------------------------------------------------
