@@ -15,10 +15,12 @@ The peak: on CUDA the datasheet's dense bf16 figure of the device (a table by na
 benchmark at the compute dtype, the best of several short runs, kept per machine in
 `$RLKIT_CACHE/cpu_peak.json` with its date (the best figure ever measured for this CPU, thread count, dtype
 and torch version: load can only slow a measurement down, so the best one is the honest one), measured
-again once a day;
+again once a day, and at every start while the machine is busy (a load average per core of `BUSY_LOAD` or
+more: a figure measured then does not count as the day's check);
 `trainer.peak_tflops` overrides both. A phase that runs faster than the peak proves the peak was measured
-under load: `DevicePeak.covering` then measures again and raises the peak to at least the achieved rate, with
-a warning, so an MFU above 1 is never logged.
+under load: `DevicePeak.covering` then measures again (a real measurement, not the cached figure) and raises
+the peak to at least the achieved rate, with a warning, so an MFU above 1 is never logged; the raised figure
+is stored, so the next runs start from it instead of repeating the warning.
 """
 
 from __future__ import annotations
@@ -122,12 +124,28 @@ def _cpu_key(dtype: torch.dtype) -> str:
     return f"{name} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
 
 
-def cached_cpu_peak(dtype: torch.dtype, *, path: Path | None = None, **measure) -> tuple[float, str]:
+BUSY_LOAD = 0.5
+"""A load average per core (1 minute) from which the machine counts as busy: a CPU peak measured then is used
+and stored (if it is the best) but does not count as the day's check, so the next start measures again."""
+
+
+def machine_busy() -> bool:
+    """True when the 1-minute load average per core is `BUSY_LOAD` or more (False where it cannot be read)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1) >= BUSY_LOAD
+    except OSError:
+        return False
+
+
+def cached_cpu_peak(
+    dtype: torch.dtype, *, path: Path | None = None, fresh: bool = False, at_least: float = 0.0, **measure
+) -> tuple[float, str]:
     """(peak FLOP/s, where it comes from): the best of the figure stored for this machine in `path` (default
-    `$RLKIT_CACHE/cpu_peak.json`) and a fresh `measured_cpu_peak` (best of 5 runs), measured once a day: an
-    entry already checked today is taken as it is (the measurement costs ~0.8 s of every run's start, all
-    cores busy). A higher fresh figure replaces the stored one with its date. An unwritable cache only loses
-    the memory, never the run."""
+    `$RLKIT_CACHE/cpu_peak.json`), a fresh `measured_cpu_peak` (best of 5 runs) and `at_least` (a rate a
+    phase achieved), measured once a day: an entry already checked today is taken as it is (the measurement
+    costs ~0.8 s of every run's start, all cores busy), unless `fresh`. A measurement on a busy machine
+    (`machine_busy`) does not count as the check. A higher figure replaces the stored one with its date. An
+    unwritable cache only loses the memory, never the run."""
     path = Path(path) if path is not None else cache_dir() / "cpu_peak.json"
     key, today = _cpu_key(dtype), datetime.date.today().isoformat()
     try:
@@ -136,12 +154,14 @@ def cached_cpu_peak(dtype: torch.dtype, *, path: Path | None = None, **measure) 
         table = {}
     cached = table.get(key) or {}
     stored = f"measured: the best {dtype} matmul on this CPU ({cached.get('date')}, {path})"
-    if cached.get("checked") == today and cached.get("flops", 0.0) > 0:
+    if not fresh and cached.get("checked") == today and cached.get("flops", 0.0) > 0:
         return cached["flops"], stored
-    fresh = measured_cpu_peak(dtype, **{"runs": 5, "seconds": 0.1, **measure})
-    higher = fresh > cached.get("flops", 0.0)
-    table[key] = {"flops": fresh, "date": today} if higher else dict(cached)
-    table[key]["checked"] = today
+    busy = machine_busy()
+    now = max(measured_cpu_peak(dtype, **{"runs": 5, "seconds": 0.1, **measure}), at_least)
+    higher = now > cached.get("flops", 0.0)
+    table[key] = {"flops": now, "date": today} if higher else dict(cached)
+    if not busy:
+        table[key]["checked"] = today
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -150,7 +170,7 @@ def cached_cpu_peak(dtype: torch.dtype, *, path: Path | None = None, **measure) 
     except OSError as e:
         log.debug("cannot store the CPU peak in %s: %s", path, e)
     if higher:
-        return fresh, f"measured: {dtype} matmul on this CPU, best of 5 runs now"
+        return now, f"measured: {dtype} matmul on this CPU, best of 5 runs now"
     return cached["flops"], stored
 
 
@@ -172,10 +192,11 @@ def device_peak(
 class DevicePeak:
     """The peak FLOP/s of one device that MFU divides by, raised when a phase proves it too low.
 
-    `remeasure` (called when a phase ran faster than the peak) returns a fresh measurement, or None where
-    there is nothing to measure (a datasheet figure, `trainer.peak_tflops`)."""
+    `remeasure(achieved)` (called when a phase ran faster than the peak, with that rate) returns a fresh
+    measurement (and may store the higher of the two: `cached_cpu_peak(fresh=True, at_least=achieved)`), or
+    None where there is nothing to measure (a datasheet figure, `trainer.peak_tflops`)."""
 
-    def __init__(self, flops: float, source: str, remeasure: Callable[[], float | None] | None = None):
+    def __init__(self, flops: float, source: str, remeasure: Callable[[float], float | None] | None = None):
         self.flops, self.source, self.remeasure = flops, source, remeasure
 
     def covering(self, achieved: float) -> float:
@@ -183,7 +204,7 @@ class DevicePeak:
         ran faster than it: a measurement taken under load. Every MFU divided by it is then at most 1."""
         if not achieved > self.flops:  # NaN peaks (unknown GPU) stay NaN
             return self.flops
-        fresh = self.remeasure() if self.remeasure is not None else None
+        fresh = self.remeasure(achieved) if self.remeasure is not None else None
         new = max(achieved, fresh or 0.0)
         log.warning(
             "a phase ran at %.3g TFLOP/s per device, above the peak of %.3g TFLOP/s (%s): the peak measurement "

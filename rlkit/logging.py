@@ -1,8 +1,11 @@
 """Metric sinks: Weights & Biases (offline automatically without an API key, or when its host cannot be
 reached), console, or none.
 
-Whatever the sink, `<run_dir>/metrics.jsonl` gets one JSON line per step (rlkit/plots.py draws curves.png from it).
-Only rank 0 logs; metrics arrive already reduced across ranks (rlkit.metrics.MetricMerger).
+Whatever the sink, `<run_dir>/metrics.jsonl` gets one JSON line per step (rlkit/plots.py draws curves.png from it):
+a write that fails (a full disk) ends the run with an error naming the file. W&B is a mirror: its failures (a
+full disk under its folder, a dead service) are logged once and never end a run; `check_config` imports wandb
+at start-up, so a broken install stops the run before any model loads. Only rank 0 logs; metrics arrive
+already reduced across ranks (rlkit.metrics.MetricMerger).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rlkit.config.schema import ConfigError
 from rlkit.rundir import METRICS_FILE, SAMPLES_FILE, open_own
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,32 @@ def wandb_reachable(timeout: float = REACH_TIMEOUT_S) -> tuple[bool, str]:
     return not failure, (failure[0] if failure else "")
 
 
+def check_config(cfg) -> None:
+    """logger.backend=wandb: wandb must import (a missing or broken install is named here, before any model
+    loads, not when the logger starts after them)."""
+    if cfg.logger.backend != "wandb":
+        return
+    try:
+        import wandb  # noqa: F401
+    except Exception as e:  # ImportError, or whatever a broken install raises while importing
+        raise ConfigError(
+            f"logger.backend='wandb' but wandb does not import ({type(e).__name__}: {e}): install it "
+            f"(pip install wandb) or choose another of {list(BACKENDS)}"
+        ) from e
+
+
+class MetricsFileError(OSError):
+    """A write to metrics.jsonl or samples.jsonl failed (a full disk): the message names the file."""
+
+
+def _append(handle, path: Path, text: str) -> None:
+    try:
+        handle.write(text)
+        handle.flush()
+    except OSError as e:
+        raise MetricsFileError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
+
+
 def _jsonable(v):
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
@@ -118,7 +148,9 @@ class MetricsLogger:
         self.backend = backend
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open_own(self.run_dir / METRICS_FILE, "a")  # never through a symlink
+        self._jsonl_path = self.run_dir / METRICS_FILE
+        self._jsonl = open_own(self._jsonl_path, "a")  # never through a symlink
+        self._wandb_failed: set[str] = set()  # the W&B calls that failed (each is logged once)
         self.run = None
         self.run_id: str | None = resume_id
         if backend == "wandb":
@@ -161,11 +193,24 @@ class MetricsLogger:
         elif backend not in BACKENDS:
             raise ValueError(f"logger.backend={backend!r} is not one of {list(BACKENDS)}")
 
+    def _wandb(self, what: str, call, *args, **kwargs) -> None:
+        """A W&B call that cannot end the run: a failure is logged once per kind of call (metrics.jsonl holds
+        every step whatever W&B does)."""
+        try:
+            call(*args, **kwargs)
+        except Exception as e:
+            if what not in self._wandb_failed:
+                self._wandb_failed.add(what)
+                log.warning(
+                    "W&B: %s failed (%s: %s); the run goes on, %s has every step", what, type(e).__name__, e,
+                    self._jsonl_path,
+                )  # fmt: skip
+
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._jsonl.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
-        self._jsonl.flush()
+        line = json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n"
+        _append(self._jsonl, self._jsonl_path, line)
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            self._wandb("run.log", self.run.log, metrics, step=step)
         elif self.backend == "console":
             shown = " ".join(
                 f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, (int, float))
@@ -177,9 +222,9 @@ class MetricsLogger:
         `samples/<kind>` (train or eval) at `step`."""
         if not rows:
             return
-        with open_own(self.run_dir / SAMPLES_FILE, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        path = self.run_dir / SAMPLES_FILE
+        with open_own(path, "a") as f:  # never through a symlink
+            _append(f, path, "".join(json.dumps(row) + "\n" for row in rows))
         if self.run is not None:
             import wandb
 
@@ -188,10 +233,10 @@ class MetricsLogger:
                 columns=columns,
                 data=[[json.dumps(r[c]) if c == "parts" else r[c] for c in columns] for r in rows],
             )
-            self.run.log({f"samples/{kind}": table}, step=step)
+            self._wandb("run.log (samples)", self.run.log, {f"samples/{kind}": table}, step=step)
 
     def close(self) -> None:
         self._jsonl.close()
         if self.run is not None:
-            self.run.finish()
-            self.run = None
+            run, self.run = self.run, None
+            self._wandb("run.finish", run.finish)

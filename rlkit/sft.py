@@ -218,7 +218,7 @@ class SFTRun(contextlib.AbstractContextManager):
         """Steps from the current one to trainer.steps; returns each step's logged metrics."""
         t, history = self.cfg.trainer, []
         previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in trainer.STOP_SIGNALS:
             with contextlib.suppress(ValueError):  # not the main thread
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:

@@ -11,9 +11,14 @@ launcher), or in the processes `torchrun` / `accelerate launch` started (RANK / 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import signal
 import sys
+import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -38,10 +43,18 @@ log = logging.getLogger(__name__)
 # Recipes (recipes/*.yaml) become the Hydra group `recipe`, so `+recipe=NAME` works from any folder.
 register_configs()
 
+LAUNCHER_POLL_S = 0.5
+"""How often a rank started by `launch` checks that its launcher is alive (`follow_launcher`)."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a run gracefully (finish the step, write a checkpoint, exit 0: rlkit/trainer.py); the
+launcher passes them on to its ranks (`launch`)."""
+
 
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
     from rlkit import learner, trainer
+    from rlkit import logging as sinks
     from rlkit.config.rules import local_path_exists, model_folder_ok
     from rlkit.data import sft
     from rlkit.rollout import engines, evaluation, producer
@@ -52,7 +65,7 @@ def preflight(cfg: RLConfig) -> None:
     for check in (
         loading.check_config, rewards.check_config, learner.check_config, engines.check_config,
         producer.check_config, trainer.check_config, client.check_config, envs.check_config, producer.check_inputs,
-        evaluation.check_config, sft.check_config,
+        evaluation.check_config, sft.check_config, sinks.check_config,
         loading.check_data,  # loads the data (a data error stops the run here)
     ):  # fmt: skip
         check(cfg)
@@ -115,7 +128,7 @@ def default_num_processes(cfg: DictConfig) -> int:
 
 
 def _worker(config: dict) -> None:
-    """Entry of each process started by `launch` (module level so it can be pickled)."""
+    """The trainer, in a process `launch` started or one of an external launcher (module level: pickled)."""
     with gcpolicy.setup_phase():  # the imports and checks without automatic garbage collection (gcpolicy.py)
         import torch
 
@@ -130,13 +143,73 @@ def _worker(config: dict) -> None:
     run(checked)
 
 
+def _rank(worker, config: dict, launcher: int, logs: str) -> None:
+    """Entry of each process started by `launch` (module level so it can be pickled): `worker(config)` in a rank
+    that ends with its launcher, pid `launcher` (`follow_launcher`); `logs`: the launcher's temp folder."""
+    follow_launcher(launcher, logs)
+    try:
+        worker(config)
+    except BaseException:
+        if os.getppid() != launcher:
+            traceback.print_exc()
+            _leave(1, logs)
+        raise
+    if os.getppid() != launcher:
+        _leave(0, logs)
+
+
+def follow_launcher(launcher: int, logs: str | None) -> None:
+    """In a rank started by `launch`: when the launcher (pid `launcher`) is gone (SIGKILLed), this rank stops.
+
+    A thread checks every `LAUNCHER_POLL_S` that the rank's parent is still the launcher (so a launcher that
+    died before this rank got here is seen too); when it is not, it removes the launcher's temp folder `logs`
+    (the launcher's own clean-up never ran) and sends this rank SIGTERM: in training that is the trainer's
+    "finish this step, write a checkpoint, exit" (rlkit/trainer.py), before it the default (the rank ends).
+    torch's spawn wrapper sets the parent-death signal to SIGINT; it is cleared, so one signal stops a rank.
+    The ranks of a run get it alike, so the stop flag's all-reduce sees every rank stopping at the same step."""
+    import ctypes
+    import threading
+
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the thread below still watches
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0)  # PR_SET_PDEATHSIG: none
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_POLL_S)
+        if logs is not None:
+            shutil.rmtree(logs, ignore_errors=True)
+        log.warning("the launcher (pid %d) is gone: stopping this rank", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="rlkit-launcher-watch").start()
+
+
+def _leave(status: int, logs: str | None) -> None:
+    """End a rank whose launcher is gone: torch's wrapper would wait forever for the launcher to read the
+    rank's result. Streams flushed, the launcher's temp folder removed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if logs is not None:
+        shutil.rmtree(logs, ignore_errors=True)
+    os._exit(status)
+
+
 def launch(cfg: RLConfig, num_processes: int, worker=None) -> None:
     """Start `num_processes` local processes (one per GPU, or gloo on CPU) running the trainer (or `worker`, a
     module-level function of the config dict: `python -m rlkit.sft` runs its own).
 
     torch's launcher gives each rank a folder for its error file; without a log folder named it makes one under
     the temp folder (`torchelastic_*`) and never removes it. Here that folder is temporary, removed when the run
-    ends however it ends (a failed rank's error is already read into the raised error by then)."""
+    ends however it ends (a failed rank's error is already read into the raised error by then; a SIGKILLed
+    launcher's by its ranks, `follow_launcher`).
+
+    Signals: SIGTERM, SIGINT or SIGHUP to the launcher is passed on to the ranks, which finish their step, write
+    a checkpoint and return, so the run ends as a finished one does (status 0). torch's launcher would instead
+    send the signal and stop reading the ranks' results, and a rank that returned waited for that read until
+    the launcher's shutdown timeout SIGKILLed it (trainer.collective_timeout_s, 600 s by default). A second
+    signal is torch's: it sends the signal again and SIGKILLs what is left after the shutdown timeout."""
     import tempfile
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -158,12 +231,50 @@ def launch(cfg: RLConfig, num_processes: int, worker=None) -> None:
             # never exits by itself).
             shutdown_timeout=max(1, int(cfg.trainer.collective_timeout_s)),
             logs_specs=DefaultLogsSpecs(log_dir=logs),
+            signals_to_handle="SIGQUIT",  # torch's handler; the stop signals are `_passing_stop_signals`'
         )
         # The resolved config travels to the children, so they all agree on run_dir and every other value.
         # The run directory's lock, taken by this process before Hydra wrote there, is held here for them.
         if rundir.RunDirLock.held(cfg.trainer.run_dir):
             os.environ[rundir.LOCK_HOLDER_ENV] = f"{os.getpid()}:{Path(cfg.trainer.run_dir).resolve()}"
-        elastic_launch(config, worker or _worker)(to_dict(cfg))
+        with _passing_stop_signals():
+            elastic_launch(config, _rank)(worker or _worker, to_dict(cfg), os.getpid(), logs)
+
+
+@contextlib.contextmanager
+def _passing_stop_signals():
+    """While torch's launcher runs: the first of `STOP_SIGNALS` goes to the ranks (the launcher keeps reading
+    their results), a later one is torch's (its SignalException: signal the ranks, SIGKILL after the shutdown
+    timeout). torch installs its own handlers for LaunchConfig.signals_to_handle when it starts the ranks; `launch`
+    narrows that to SIGQUIT, so these handlers stay."""
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    received: list[int] = []
+
+    def pass_on(signum, frame) -> None:
+        if received:
+            raise SignalException(
+                f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum)
+            )
+        received.append(signum)
+        log.warning(
+            "launcher: signal %d passed on to the ranks (they finish their step, checkpoint, exit)", signum
+        )
+        for child in multiprocessing.active_children():  # the ranks (torch starts them with multiprocessing)
+            with contextlib.suppress(OSError, TypeError):
+                os.kill(child.pid, signum)
+
+    before = {}
+    for signum in STOP_SIGNALS:
+        with contextlib.suppress(ValueError):  # not the main thread: torch's handling, as before
+            before[signum] = signal.signal(signum, pass_on)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def main_from_config(cfg: DictConfig) -> None:

@@ -8,7 +8,7 @@
     7 weight push  the learner's weights to the engine, verified         `self.sync.push` (rlkit/sync.py)
       report       statistics, timings, throughput and MFU               `self.report` (rlkit/metrics.py, flops.py)
     8 eval         every trainer.eval_every steps and at the end (never masked)
-    9 checkpoint   every trainer.save_every steps, at the end, and on SIGTERM / SIGINT
+    9 checkpoint   every trainer.save_every steps, at the end, and on SIGTERM / SIGINT / SIGHUP
 
 Every rank runs the same code on its own prompts; per-sample statistics are gathered across ranks in one
 collective and token statistics merged by token counts, so the logged numbers describe the global batch.
@@ -33,7 +33,7 @@ from rlkit import gcpolicy, rundir
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
-from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, device_peak, step_rates
+from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, cached_cpu_peak, device_peak, step_rates
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
@@ -70,6 +70,11 @@ def check_config(cfg: RLConfig) -> None:
         raise ConfigError(
             f"trainer.resume={t.resume!r} is not 'auto', 'none' or an existing checkpoint directory"
         )
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Finish the step, write a checkpoint, exit 0 (SIGHUP: a closed terminal). rlkit.train's launcher passes the
+same ones (its own STOP_SIGNALS) on to its ranks."""
 
 
 def guard_run_dir(run_dir: Path, resume: str, world: int, is_main: bool, *, record: dict | None = None):
@@ -212,9 +217,14 @@ class Trainer:
                     metrics[f"{key}/staleness_{staleness}"] = metrics[key]
         return metrics
 
-    def _remeasure_peak(self) -> float:
-        """The device peak measured again on rank 0 (every rank gets the same figure)."""
-        fresh = device_peak(self.device, self.learner.compute_dtype)[0] if self.is_main else None
+    def _remeasure_peak(self, achieved: float) -> float:
+        """The CPU peak measured again on rank 0 (not the cached figure), stored with the rate a phase achieved
+        if higher, so the next runs start from it; every rank gets the same figure."""
+        fresh = (
+            cached_cpu_peak(self.learner.compute_dtype, fresh=True, at_least=achieved)[0]
+            if self.is_main
+            else None
+        )
         return broadcast_object(fresh, self.world)
 
     # -- eval ----------------------------------------------------------------------------------
@@ -272,8 +282,9 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def _on_signal(self, signum, frame):
+        if self._stop_signal is None:  # (a rank may get one from its launcher and one from its terminal)
+            log.warning("received signal %d: finishing this step, writing a checkpoint and exiting", signum)
         self._stop_signal = signum
-        log.warning("received signal %d: finishing this step, writing a checkpoint and exiting", signum)
 
     def _should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
@@ -285,7 +296,7 @@ class Trainer:
         t = self.cfg.trainer
         history = []
         previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             with contextlib.suppress(ValueError):  # not the main thread
                 previous[sig] = signal.signal(sig, self._on_signal)
         bar, redirect = None, contextlib.nullcontext()

@@ -5,7 +5,7 @@ import signal
 import time
 from pathlib import Path
 
-from rlkit.rewards.containment import ProcessCap
+from rlkit.rewards.containment import STALE, ProcessCap
 
 
 def alive(pid: int) -> bool:
@@ -48,11 +48,11 @@ def cgroup_root() -> str | None:
 
 
 def cgroups_of(pid: int) -> list[str]:
-    """The `rlkit-<pid>-<n>` pids cgroups that exist."""
+    """The pids cgroups that process `pid` made (`rlkit-<pid namespace>-<pid>-<start time>-<n>`) that exist."""
     root = cgroup_root()
     if root is None:
         return []
-    return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(f"rlkit-{pid}-")]
+    return [os.path.join(root, n) for n in os.listdir(root) if (m := STALE.fullmatch(n)) and int(m[2]) == pid]
 
 
 def ignored_signals(pid: int) -> set[int]:

@@ -14,18 +14,23 @@ In the worker, at start (`limit_this_worker`):
 
 From the trainer (`ProcessCap`): a cap on the processes (and threads) of a batch's workers and all they
 start, so a fork loop cannot exhaust the machine's pids (the trainer's next fork or thread would fail).
-Root ignores RLIMIT_NPROC, so the cap is a pids cgroup (`pids.max`; cgroup v1 `/sys/fs/cgroup/pids`, or
-cgroup v2 where the pids controller is enabled) with one child cgroup per worker, so a killed worker's
-processes are found even when they left its process group (`setsid`). Where no pids cgroup is writable
-(an unprivileged container), the fallback counts the workers' process groups in /proc on every poll
+Root ignores RLIMIT_NPROC, so the cap is a pids cgroup (`pids.max`; a mounted cgroup v1 hierarchy with the
+pids controller, or cgroup2 where it offers pids: the mounts' fs types and options are read from
+/proc/self/mountinfo, `_pids_cgroup_roots`) with one child cgroup per worker, so a killed worker's
+processes are found even when they left its process group (`setsid`). Where no pids cgroup can be made
+(an unprivileged container; logged once) the fallback counts the workers' process groups in /proc on every poll
 (`over_cap`) and the caller kills the largest group over the cap: that bounds a slow fork loop, and a
 process that leaves its group escapes it. A pids cgroup is made even without a cap (`pids.max` "max"), to
 find the processes that left a worker's group.
 
 What outlives the trainer: nothing it knew of. Each process group and cgroup is held by this process's
 reaper (rlkit/rewards/reaper.py) until it is killed, so a trainer that is SIGKILLed leaves no worker's child
-running; and the first `ProcessCap` of a process removes the `rlkit-<pid>-<n>` cgroups of trainers that are
-gone (`sweep_stale_cgroups`), killing what is left in them.
+running; and the first `ProcessCap` of a process removes the cgroups of trainers that are gone
+(`sweep_stale_cgroups`), killing what is left in them. A cgroup is named `rlkit-<pid namespace>-<pid>-<start
+time>-<n>` after the process that made it (`owner_tag`), so a process that reuses the pid, or one of another
+pid namespace sharing the cgroup tree (a container), is never taken for its maker: a cgroup counts as stale
+only when its maker is of this pid namespace and no process with its pid and start time lives; anything else
+is left alone.
 
 Signals (`default_signals_for_children`): a worker catches SIGINT / SIGTERM (a handler, not SIG_IGN) and
 sets SIGQUIT to its default, so what it starts gets default dispositions.
@@ -42,7 +47,7 @@ import resource
 import signal
 import threading
 
-from rlkit.rewards.reaper import REAPER, kill_cgroup, remove_cgroup
+from rlkit.rewards.reaper import REAPER, kill_cgroup, mounts, pids_controller, remove_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -150,21 +155,55 @@ def group_members(pgids: set[int]) -> dict[int, list[int]]:
     return members
 
 
+PROC_CGROUP = "/proc/self/cgroup"
+"""This process's cgroups (a test points it at a fake one, with reaper.MOUNTINFO)."""
+
+
+def _relative(path: str, mount_root: str) -> str | None:
+    """`path` (of /proc/self/cgroup) below the root of a mount of its hierarchy; None when outside it."""
+    if mount_root == "/":
+        return path
+    if path == mount_root or path.startswith(mount_root.rstrip("/") + "/"):
+        return path[len(mount_root.rstrip("/")) :] or "/"
+    return None
+
+
 def _pids_cgroup_roots() -> list[str]:
-    """Where this process's pids cgroup lives: cgroup v1's pids hierarchy, else cgroup v2's."""
-    roots = []
+    """Where this process can make pids cgroups: its cgroup in a mounted cgroup v1 hierarchy with the pids
+    controller, then its cgroup in a mounted cgroup2 file system whose root offers `pids`. Only real cgroup
+    mounts count (reaper.mounts: fs type and options from /proc/self/mountinfo), never a path guessed under
+    /sys/fs/cgroup, which on cgroup v1 is a writable tmpfs where "pids.max" is a plain file."""
     try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
+        with open(PROC_CGROUP) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
     except OSError:
-        return roots
-    for _, controllers, path in lines:
-        if "pids" in controllers.split(","):
-            roots.append("/sys/fs/cgroup/pids" + path)
-    for hierarchy, _, path in lines:
-        if hierarchy == "0":
-            roots += ["/sys/fs/cgroup" + path, "/sys/fs/cgroup/unified" + path]
-    return [r.rstrip("/") for r in roots]
+        return []
+    table = mounts()
+    roots = []
+    for hierarchy, controllers, path in lines:  # (v1 hierarchies are listed before v2's "0::")
+        v2 = hierarchy == "0" and controllers == ""
+        if not v2 and "pids" not in controllers.split(","):
+            continue
+        for point, mount_root, fstype, options in table:
+            if not pids_controller(fstype, options) or (fstype == "cgroup2") != v2:
+                continue
+            below = _relative(path, mount_root)
+            if below is None:
+                continue
+            root = (point.rstrip("/") + below).rstrip("/") or "/"
+            if v2 and "pids" not in _read(os.path.join(root, "cgroup.controllers")).split():
+                continue
+            if root not in roots:
+                roots.append(root)
+    return roots
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def kill_group(pid: int, cgroup: str | None) -> None:
@@ -213,23 +252,52 @@ def over_shared_memory(workers: dict[int, str | None], limit_mb: int | None) -> 
     return None
 
 
-def _alive(pid: int) -> bool:
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where it cannot be read)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def start_time(pid: int) -> int | None:
+    """`pid`'s start time (clock ticks after boot, /proc/PID/stat field 22) in this pid namespace's view; None
+    when no such process is visible (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """`<pid namespace>-<pid>-<start time>` of `pid` (this process by default): the owner part of its cgroups'
+    names, which a reused pid (another start time) or a process of another pid namespace cannot share."""
+    pid = os.getpid() if pid is None else pid
+    return f"{_pid_namespace()}-{pid}-{start_time(pid) or 0}"
+
+
+STALE = re.compile(r"rlkit-(\d+)-(\d+)-(\d+)-\d+")
+"""The name of a batch's (or a scorer's) pids cgroup: rlkit-<owner_tag of the process that made it>-<n>."""
+
+
+def _owner_gone(match: re.Match) -> bool:
+    """The maker of a cgroup named `match` is gone in this process's view: same pid namespace, and no live
+    process with its pid and start time. A cgroup made in another pid namespace is never judged."""
+    namespace, pid, started = (int(g) for g in match.groups())
+    if namespace != _pid_namespace() or namespace == 0:
         return False
-    except OSError:  # someone else's: alive
-        return True
-    return True
-
-
-STALE = re.compile(r"rlkit-(\d+)-\d+")
-"""The name of a batch's (or a scorer's) pids cgroup: rlkit-<pid of the process that made it>-<n>."""
+    return start_time(pid) != started
 
 
 def sweep_stale_cgroups() -> list[str]:
-    """Remove the `rlkit-<pid>-<n>` pids cgroups whose maker (pid) is gone, killing what is left in them (a
-    trainer killed together with its reaper); returns their paths. Cgroups of live processes are left."""
+    """Remove the `rlkit-<owner>-<n>` pids cgroups whose maker is gone (`_owner_gone`), killing what is left in
+    them (a trainer killed together with its reaper); returns the paths removed. Their `pids.max` is not
+    touched (this process did not make them); cgroups of live makers, of other pid namespaces, or in any other
+    naming are left alone."""
     removed = []
     for root in _pids_cgroup_roots():
         try:
@@ -237,16 +305,21 @@ def sweep_stale_cgroups() -> list[str]:
         except OSError:
             continue
         for name in names:
+            path = os.path.join(root, name)
             match = STALE.fullmatch(name)
-            if match and not _alive(int(match[1])) and os.path.isdir(os.path.join(root, name)):
-                remove_cgroup(os.path.join(root, name))
-                removed.append(os.path.join(root, name))
+            if match and _owner_gone(match) and os.path.isdir(path):
+                remove_cgroup(path, freeze=False)
+                if not os.path.exists(path):
+                    removed.append(path)
+                else:
+                    log.warning("could not remove the pids cgroup %s left by a process that is gone", path)
     if removed:
         log.warning("removed %d pids cgroup(s) left by processes that are gone: %s", len(removed), removed)
     return removed
 
 
 _SWEPT = [False]
+_SAID = [False]  # "no pids cgroup here" is logged once per process
 
 
 class ProcessCap:
@@ -259,11 +332,12 @@ class ProcessCap:
         if not _SWEPT[0]:  # start-up of containment in this process
             _SWEPT[0] = True
             sweep_stale_cgroups()
-        name = f"rlkit-{os.getpid()}-{next(_SEQ)}"
-        for root in _pids_cgroup_roots():
+        name = f"rlkit-{owner_tag()}-{next(_SEQ)}"
+        roots = _pids_cgroup_roots()
+        for root in roots:
             path = os.path.join(root, name)
             try:
-                os.mkdir(path)
+                os.mkdir(path)  # (an existing one is never taken over)
             except OSError:
                 continue
             try:
@@ -275,6 +349,14 @@ class ProcessCap:
             except OSError:
                 with contextlib.suppress(OSError):
                     os.rmdir(path)
+        if not _SAID[0]:
+            _SAID[0] = True
+            log.warning(
+                "no pids cgroup can be made here (%s): the process cap%s counts the workers' process groups "
+                "instead, and a process that leaves its group (setsid) escapes it and the end-of-batch kill",
+                f"not writable: {', '.join(roots)}" if roots else "no cgroup v1 pids or cgroup2 mount with the "
+                "pids controller holds this process's cgroup", "" if max_processes is not None else " (none set)",
+            )  # fmt: skip
 
     def cgroup_for(self, k: int) -> str | None:
         if self.path is None:

@@ -14,13 +14,18 @@ environment, starts in tens of milliseconds and shares no state with the trainer
 trainer writes lines (`group <pgid>`, `cgroup <path>`, and `un...` to let go). It leads a session of its
 own, so a SIGKILL to the trainer's process group (`kill -9 -<pgid>`) does not take it along.
 
-The cgroup helpers (`kill_cgroup`, `remove_cgroup`) live here so that the reaper and the trainer share them.
+The cgroup helpers (`kill_cgroup`, `remove_cgroup`, `on_pids_cgroup`) live here so that the reaper and the
+trainer share them. A pid is signalled only when it was read from the `cgroup.procs` of a real cgroup file
+system with the pids controller (`on_pids_cgroup`: the deepest mount holding the path, from
+/proc/self/mountinfo, is cgroup2, or cgroup v1 with `pids` among its options), never from a plain file that
+merely has that name (cgroup v1's /sys/fs/cgroup itself is a writable tmpfs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -32,11 +37,58 @@ POLL_S = 0.5
 """How often the reaper checks that its parent is still its parent (the pipe's end of file is the fast path)."""
 
 
-def kill_cgroup(path: str, budget_s: float = 2.0) -> None:
-    """SIGKILL every process in cgroup `path` until it is empty (new forks are refused first)."""
-    with contextlib.suppress(OSError):
-        with open(os.path.join(path, "pids.max"), "w") as f:
-            f.write("0")
+MOUNTINFO = "/proc/self/mountinfo"
+"""Where the mounts are read (a test points it at a fake one)."""
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: space, tab, newline and backslash are written as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def mounts(mountinfo: str | None = None) -> list[tuple[str, str, str, set[str]]]:
+    """(mount point, root of the mount inside its file system, fs type, super options) of every mount."""
+    out = []
+    try:
+        with open(mountinfo or MOUNTINFO) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        out.append((_unescape(fields[4]), _unescape(fields[3]), tail[0], set(tail[2].split(","))))
+    return out
+
+
+def pids_controller(fstype: str, options: set[str]) -> bool:
+    """A cgroup file system that can hold pids cgroups: cgroup2, or cgroup v1 mounted with `pids`."""
+    return fstype == "cgroup2" or (fstype == "cgroup" and "pids" in options)
+
+
+def on_pids_cgroup(path: str, mountinfo: str | None = None) -> bool:
+    """True when `path` lies on a cgroup file system with the pids controller (the deepest mount holding it)."""
+    real = os.path.realpath(path)
+    best = None
+    for point, _, fstype, options in mounts(mountinfo):
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) > len(best[0])):
+            best = (point, fstype, options)
+    return best is not None and pids_controller(best[1], best[2])
+
+
+def kill_cgroup(path: str, budget_s: float = 2.0, *, freeze: bool = True) -> None:
+    """SIGKILL every process in cgroup `path` until it is empty; with `freeze` (a cgroup this process, or the
+    trainer this reaper serves, made) new forks are refused first (`pids.max` 0). Nothing is signalled unless
+    `path` is on a real pids cgroup file system (`on_pids_cgroup`)."""
+    if not on_pids_cgroup(path):
+        return
+    if freeze:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write("0")
     end = time.monotonic() + budget_s
     while time.monotonic() < end:
         try:
@@ -67,13 +119,16 @@ def rmdir(path: str, budget_s: float = 2.0) -> None:
             time.sleep(0.01)
 
 
-def remove_cgroup(path: str) -> None:
-    """Kill everything in cgroup `path` and in its child cgroups, then remove them all."""
+def remove_cgroup(path: str, *, freeze: bool = True) -> None:
+    """Kill everything in cgroup `path` and in its child cgroups, then remove them all (`freeze`:
+    `kill_cgroup`'s). A path that is not on a pids cgroup file system is left as it is."""
+    if not on_pids_cgroup(path):
+        return
     with contextlib.suppress(OSError):
         for sub in os.listdir(path):
             if os.path.isdir(os.path.join(path, sub)):
-                remove_cgroup(os.path.join(path, sub))
-    kill_cgroup(path)
+                remove_cgroup(os.path.join(path, sub), freeze=freeze)
+    kill_cgroup(path, freeze=freeze)
     rmdir(path)
 
 

@@ -5,13 +5,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from proc_helpers import alive, cgroup_root, cgroups_of, kill_all, recorded, wait_dead, wait_for
 from run_helpers import FIXTURES
 
-from rlkit.rewards.containment import sweep_stale_cgroups
+from rlkit.rewards.containment import owner_tag, sweep_stale_cgroups
+from rlkit.rewards.reaper import remove_cgroup
 
 TRAINER = """
 import sys
@@ -53,21 +55,40 @@ def test_a_sigkilled_trainer_leaves_nothing_its_workers_started_and_no_cgroup(tm
 
 
 def test_start_up_removes_the_cgroups_of_trainers_that_are_gone():
+    """A cgroup is stale when its maker (pid namespace, pid, start time in its name) is gone in this view: a dead
+    pid, or a live pid with another start time (the pid reused). A live maker's, and one made in another pid
+    namespace (whose pids mean nothing here), are left alone, with what is in them."""
     root = cgroup_root()
     if root is None:
         pytest.skip("no writable pids cgroup here")
     gone = subprocess.Popen(["true"])
     gone.wait()
-    stale, live = Path(root) / f"rlkit-{gone.pid}-3", Path(root) / f"rlkit-{os.getpid()}-999999"
-    (stale / "w0").mkdir(parents=True)
-    live.mkdir()
-    sleeper = subprocess.Popen(["sleep", "600"])
+    namespace, me, started = owner_tag().split("-")
+    names = {
+        "dead": f"rlkit-{namespace}-{gone.pid}-{started}-3",
+        "reused": f"rlkit-{namespace}-{me}-{int(started) + 1}-3",  # this pid, another start time
+        "live": f"rlkit-{owner_tag()}-999999",
+        "elsewhere": f"rlkit-{int(namespace) + 1}-{gone.pid}-{started}-3",  # another pid namespace
+    }
+    paths = {k: Path(root) / n for k, n in names.items()}
+    sleepers = {k: subprocess.Popen(["sleep", "600"]) for k in names}
     try:
-        (stale / "w0" / "cgroup.procs").write_text(str(sleeper.pid))
+        for k, path in paths.items():
+            (path / "w0").mkdir(parents=True)
+            (path / "w0" / "cgroup.procs").write_text(str(sleepers[k].pid))
         removed = sweep_stale_cgroups()
-        assert str(stale) in removed and not stale.exists()
-        assert sleeper.wait(timeout=10) == -signal.SIGKILL  # what was left in it is killed
-        assert live.exists() and str(live) not in removed  # a live process's cgroup is left alone
+        assert sorted(removed) == sorted([str(paths["dead"]), str(paths["reused"])])
+        for k in ("dead", "reused"):
+            assert not paths[k].exists()
+            assert sleepers[k].wait(timeout=10) == -signal.SIGKILL  # what was left in it is killed
+        time.sleep(0.2)
+        for k in ("live", "elsewhere"):
+            assert paths[k].exists() and sleepers[k].poll() is None  # left alone
+            assert (paths[k] / "pids.max").read_text().strip() == "max"  # never frozen by the sweep
     finally:
-        sleeper.kill()
-        live.rmdir()
+        for sleeper in sleepers.values():
+            sleeper.kill()
+            sleeper.wait()
+        for path in paths.values():
+            if path.exists():
+                remove_cgroup(str(path))

@@ -71,7 +71,9 @@ def test_peak_measured_under_a_busy_cpu_never_gives_mfu_above_1(tmp_path, caplog
             p.kill()
             p.wait()
     assert source.startswith(MEASURED)
-    peak = DevicePeak(flops, source, lambda: measured_cpu_peak(torch.float32, seconds=0.03, size=256, runs=3))
+    peak = DevicePeak(
+        flops, source, lambda achieved: measured_cpu_peak(torch.float32, seconds=0.03, size=256, runs=3)
+    )
     # ... then the "phase" runs on the freed cores: whatever the measurement said, MFU stays <= 1.
     with caplog.at_level(logging.WARNING, logger="rlkit.flops"):
         for _ in range(3):
@@ -90,11 +92,14 @@ def test_covering_raises_a_low_peak_to_the_achieved_rate_and_keeps_a_high_one(ca
     with caplog.at_level(logging.WARNING, logger="rlkit.flops"):
         assert peak.covering(250.0) == 250.0
     assert "set trainer.peak_tflops" in caplog.text
-    assert DevicePeak(100.0, "m", lambda: 400.0).covering(250.0) == 400.0  # a fresh figure above the rate
+    assert (
+        DevicePeak(100.0, "m", lambda achieved: 400.0).covering(250.0) == 400.0
+    )  # a fresh figure above the rate
     assert math.isnan(DevicePeak(float("nan"), "unknown GPU").covering(1e12))
 
 
-def test_cached_peak_keeps_the_best_figure_with_its_date(tmp_path):
+def test_cached_peak_keeps_the_best_figure_with_its_date(tmp_path, monkeypatch):
+    monkeypatch.setattr(flops, "machine_busy", lambda: False)
     path = tmp_path / "peak.json"
     fresh, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
     table = json.loads(path.read_text())
@@ -103,8 +108,8 @@ def test_cached_peak_keeps_the_best_figure_with_its_date(tmp_path):
     # A figure stored earlier above anything this CPU reaches now (an idle day) wins, with its date.
     entry.update(flops=1e18, date="2026-01-02")
     path.write_text(json.dumps(table))
-    flops, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
-    assert flops == 1e18 and "2026-01-02" in source and source.startswith(MEASURED)
+    stored, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    assert stored == 1e18 and "2026-01-02" in source and source.startswith(MEASURED)
     # A lower fresh figure leaves the stored one as it was, only marked as checked today.
     assert json.loads(path.read_text()) == {
         k: {**v, "checked": datetime.date.today().isoformat()} for k, v in table.items()
@@ -113,6 +118,7 @@ def test_cached_peak_keeps_the_best_figure_with_its_date(tmp_path):
 
 def test_cached_peak_is_measured_once_a_day(tmp_path, monkeypatch):
     """The first run of the day measures (~0.8 s of its start); later runs that day take the stored figure."""
+    monkeypatch.setattr(flops, "machine_busy", lambda: False)
     path = tmp_path / "peak.json"
     first, source = cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
     assert "now" in source
@@ -130,3 +136,54 @@ def test_cached_peak_is_measured_once_a_day(tmp_path, monkeypatch):
     path.write_text(json.dumps(table))
     with pytest.raises(AssertionError, match="measured again"):
         cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+
+
+def test_a_peak_measured_on_a_busy_machine_is_not_the_days_check(tmp_path, monkeypatch):
+    """Before: the first measurement of the day, taken while the machine was busy, was the figure of every
+    later run that day (each logging a too-high MFU and the "disturbed" warning)."""
+    path = tmp_path / "peak.json"
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * (os.cpu_count() or 1),) * 3)  # 3 runnable per core
+    assert flops.machine_busy()
+    cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    (entry,) = json.loads(path.read_text()).values()
+    assert "checked" not in entry  # stored (the best so far), but not the day's check
+    calls = []
+    real = flops.measured_cpu_peak
+    monkeypatch.setattr(flops, "measured_cpu_peak", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # the next start, on a quiet machine
+    cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    assert calls == [1]  # measured again
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["checked"] == datetime.date.today().isoformat()
+
+
+def test_a_peak_raised_at_run_time_is_measured_again_and_stored_for_the_next_runs(
+    tmp_path, monkeypatch, caplog
+):
+    """Before: the run-time "measured again" read the same cached figure back, and the raised peak was not
+    stored, so every later run that day logged a too-high MFU and the warning again."""
+    monkeypatch.setattr(flops, "machine_busy", lambda: False)
+    path = tmp_path / "peak.json"
+    cached_cpu_peak(torch.float32, path=path, seconds=0.02, size=128, runs=1)
+    table = json.loads(path.read_text())
+    (entry,) = table.values()
+    entry["flops"] = 1e3  # a figure from a busy moment, checked today
+    path.write_text(json.dumps(table))
+    low, source = cached_cpu_peak(torch.float32, path=path)
+    assert low == 1e3
+    calls = []
+
+    def remeasure(achieved):  # what the trainer's _remeasure_peak does on rank 0
+        calls.append(achieved)
+        return cached_cpu_peak(
+            torch.float32, path=path, fresh=True, at_least=achieved, seconds=0.02, size=128
+        )[0]
+
+    peak = DevicePeak(low, source, remeasure)
+    achieved = 1e18  # above any CPU's matmul rate: the stored figure must become exactly this
+    with caplog.at_level(logging.WARNING, logger="rlkit.flops"):
+        assert peak.covering(achieved) == achieved
+    assert calls == [achieved] and "measured again" in caplog.text
+    # the next run of the day starts from the raised figure: no warning, MFU <= 1
+    again, _ = cached_cpu_peak(torch.float32, path=path)
+    assert again == achieved

@@ -1,6 +1,7 @@
 import time
 
 import pytest
+from timing_helpers import within
 
 from rlkit.rewards import RewardScorer, extract_gsm8k_answer, format_reward, math_reward, resolve
 
@@ -88,5 +89,5 @@ def test_hanging_reward_times_out_scores_zero_and_is_counted():
         scorer.close()
     assert s.total == [0.0, 0.5, 0.5, 0.0]
     assert s.errors == 2 and s.timeouts == 2
-    assert elapsed < 60
+    assert elapsed < within(60, failure_s=3600)  # the hanging reward sleeps an hour
     assert s2.total == [0.5] and s2.errors == 0
