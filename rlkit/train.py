@@ -29,6 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit import envs, gcpolicy, rewards, rundir
+from rlkit import logging as sinks
 from rlkit.config.schema import CONFIG_DIR, RLConfig, register_configs, to_dict
 from rlkit.data import loading
 
@@ -54,7 +55,6 @@ launcher passes them on to its ranks (`launch`)."""
 def preflight(cfg: RLConfig) -> None:
     """Every component checks the keys it owns, before any process starts or any model loads."""
     from rlkit import learner, trainer
-    from rlkit import logging as sinks
     from rlkit.config.rules import local_path_exists, model_folder_ok
     from rlkit.data import sft
     from rlkit.rollout import engines, evaluation, producer

@@ -2,6 +2,8 @@ import gc
 import sys
 from pathlib import Path
 
+import pytest
+
 # Collection imports every test module, and with them torch, transformers and vLLM: without the collector's
 # automatic passes (each full one rescans the growing heap) a worker collects in ~18 s instead of ~24 s on 2 cores;
 # what the imports made is then frozen, out of later collections' way (pytest_collection_finish). As
@@ -84,3 +86,19 @@ def pytest_collection_finish(session):
 def pytest_unconfigure(config):
     """Frozen objects are never freed, not even at exit (nanobind's extensions then report leaks): unfrozen."""
     gc.unfreeze()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> str:
+    """A random tiny Llama (hidden 64, 2 layers) with the real SmolLM2 tokenizer, one per session (the rollout
+    and model tests)."""
+    from rlkit.models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_ckpt):
+    from rlkit.models import load_tokenizer
+
+    return load_tokenizer(tiny_ckpt)
