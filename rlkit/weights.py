@@ -20,7 +20,6 @@ Across processes (trainer.mode=async), `send_weights` broadcasts the same stream
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rlkit.collectives import broadcast, wait_on_host
+from rlkit.digests import tensor_digest, to_host
 
 Manifest = dict[str, tuple[int, ...]]
 
@@ -210,9 +210,12 @@ class PushGuard:
         return count
 
 
-def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtype | None) -> Iterator:
+def _counted(
+    named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtype | None, digests: dict | None = None
+) -> Iterator:
     """The stream with its bookkeeping: counts, bytes, and the seconds spent producing each tensor (the
-    export: an FSDP2 all-gather, a LoRA merge) and casting it, so the engine's own part is the rest."""
+    export: an FSDP2 all-gather, a LoRA merge) and casting it, so the engine's own part is the rest. With a
+    `digests` dict, each tensor's digest as streamed (cast), on its device (rlkit.digests: no host copy here)."""
     stats.setdefault("export_seconds", 0.0)
     stats.setdefault("cast_seconds", 0.0)
     it = iter(named)
@@ -231,10 +234,14 @@ def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtyp
         stats["num_tensors"] += 1
         stats["num_params"] += tensor.numel()
         stats["bytes"] += tensor.numel() * tensor.element_size()
+        if digests is not None:
+            digests[name] = tensor_digest(tensor)
         yield name, tensor
 
 
-def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) -> dict[str, float]:
+def push_weights(
+    export: Export, engine, *, dtype: torch.dtype | None = None, digests: dict | None = None
+) -> dict[str, float]:
     """Stream the learner's `export` into `engine.load_weights`; every rank must call it.
 
     The engine first checks the learner's manifest (names and shapes from parameter metadata), so a
@@ -244,10 +251,15 @@ def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) ->
     Returns stats: `seconds`, `num_tensors`, `num_params`, `bytes`, `gb_per_s`, and the parts of `seconds`:
     `export_seconds` (producing the tensors), `cast_seconds`, `load_seconds` (the engine's own: for vLLM the
     copy into its layers, their reprocessing into kernel format and the prefix-cache reset).
+    With a `digests` dict, fills it with {name: digest} of every tensor as it was streamed (`check_engine`
+    compares the engine with them): the export is gathered once per push, and digested where it is.
     """
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
-    engine.load_weights(_counted(export.tensors(), stats, dtype), manifest=export.manifest)
+    streamed: dict | None = None if digests is None else {}
+    engine.load_weights(_counted(export.tensors(), stats, dtype, streamed), manifest=export.manifest)
+    if streamed is not None:
+        digests.update(to_host(streamed))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if stats["num_tensors"] == 0:
@@ -271,8 +283,8 @@ def send_weights(
 ) -> dict[str, float]:  # fmt: skip
     """Broadcast the learner's `export` from learner rank 0 (root of `pg`), cast to `dtype`, in the order of
     its manifest; every learner rank must call it (FSDP2 gathers each parameter on all ranks). With a
-    `digests` dict, rank 0 fills it with each sent tensor's sha256 (what the workers check their engines
-    against: `check_engine`). Rank 0 returns once the last broadcast has finished on the host (under NCCL
+    `digests` dict, rank 0 fills it with each sent tensor's digest (what the workers check their engines
+    against: `check_engine`), computed on the device and copied to the host once, after the last broadcast. Rank 0 returns once the last broadcast has finished on the host (under NCCL
     the broadcasts are only queued on the GPU; `alive()` is called while waiting and raises to name a
     receiver that died; rlkit.collectives.wait_on_host)."""
     names = list(export.manifest)
@@ -284,17 +296,18 @@ def send_weights(
             pass
         return _finished(stats, start)
     work = None
-    for i, (name, tensor) in enumerate(_counted(named, stats, dtype)):
+    streamed: dict | None = None if digests is None else {}
+    for i, (name, tensor) in enumerate(_counted(named, stats, dtype, streamed)):
         if i >= len(names) or name != names[i]:
             raise RuntimeError(
                 f"weight push: the learner yielded {name!r} where the manifest has "
                 f"{names[i] if i < len(names) else 'nothing more'!r}; the workers receive in manifest order"
             )
-        if digests is not None:
-            digests[name] = digest(tensor)
         _, work = broadcast(pg, tensor.detach(), device)
     if work is not None:
         wait_on_host(work, timeout_s, alive)
+    if streamed is not None:
+        digests.update(to_host(streamed))
     done = _finished(stats, start)
     # The rest of the push: digests and the broadcast to the workers (their engines load on their own).
     done["transfer_seconds"] = max(0.0, done["seconds"] - stats["export_seconds"] - stats["cast_seconds"])
@@ -324,12 +337,6 @@ def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) 
 # -- verifying a push: what the engine holds, tensor by tensor ---------------------------------------------
 
 
-def digest(tensor: Tensor) -> str:
-    """sha256 of a tensor's bytes (vLLM's `compute_weight_checksums` digest)."""
-    flat = tensor.detach().cpu().contiguous().view(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
-
-
 def engine_sources(loads: dict[str, list[str]], origins: dict[str, list[str]]) -> dict[str, list[str]]:
     """{engine tensor: the learner tensors it is built from}, from what a push recorded: `loads` ({checkpoint
     tensor: the engine tensors its loader wrote}, vLLM's own loaders) and `origins` ({checkpoint tensor: the
@@ -341,16 +348,17 @@ def engine_sources(loads: dict[str, list[str]], origins: dict[str, list[str]]) -
     return {e: sorted(src) for e, src in out.items() if src}
 
 
+def learner_digests(export: Export, dtype: torch.dtype) -> dict[str, str]:
+    """{name: digest} of the learner's tensors cast to `dtype`, from a fresh export (every rank must call it:
+    the gathers are collectives). A push digests what it streams instead (`push_weights(digests=)`); this is
+    for the engine as loaded, before any push."""
+    return to_host({n: tensor_digest(t.to(dtype)) for n, t in export.tensors()})
+
+
 def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
-    """Check, tensor by tensor, that the engine holds what the learner exported (`check_engine`); every rank
-    calls it (the export's gathers are collectives). Returns the digests to pass as `previous` next time."""
-    dtype = engine.weight_dtype
-    sources = engine.digest_sources()
-    # What check_engine compares: every tensor for an engine in the checkpoint's layout, or one whose sources no
-    # push has recorded yet (vLLM at start-up); else the learner tensors the engine's hashed tensors come from.
-    read = set().union(*sources.values()) if sources else None
-    learner = {n: digest(t.to(dtype)) for n, t in export.tensors() if read is None or n in read}
-    return check_engine(learner, engine, previous)
+    """`check_engine` against a fresh export of the learner's tensors (the engine as loaded at start-up, and
+    tests); every rank calls it. Returns the digests to pass as `previous` next time."""
+    return check_engine(learner_digests(export, engine.weight_dtype), engine, previous)
 
 
 def _sync_error(engine, what: str, names: list[str]) -> WeightSyncError:
@@ -362,45 +370,64 @@ def _sync_error(engine, what: str, names: list[str]) -> WeightSyncError:
 
 
 def check_engine(learner: dict[str, str], engine, previous: dict | None = None) -> dict:
-    """Compare the sha256 of the learner's tensors (`learner`, cast to the engine's dtype) with what the engine
-    holds. Returns the digests to pass as `previous` to the next check.
+    """Check by content that the engine holds what the learner pushed: `learner` is {name: digest} of the
+    learner's tensors as pushed (cast to the engine's dtype; rlkit.digests). Raises `WeightSyncError` naming the
+    tensors; returns the digests to pass as `previous` to the next check.
 
-    An engine that keeps the checkpoint's layout (HF: `engine.digest_sources()` is None) must hold every
-    exported tensor exactly. One that stacks and repacks them (vLLM) is checked by change, over every tensor of
-    its own whose bytes a push determines (`engine.weight_digests()`: the engine leaves out what it holds
-    elsewhere, such as a weight emptied after its layer was repacked): when no learner tensor changed since
-    the previous check, no engine tensor may have changed (a push of the same weights must give the same
-    bytes); and every engine tensor built from a learner tensor that changed must have changed too (a push
-    that delivered nothing, or not to that tensor), whatever the learning rate (before a push has told which
-    engine tensors a learner tensor writes, `engine.digest_sources()` is empty: then some engine tensor must
-    have changed). A mismatch raises `WeightSyncError` naming the tensors.
+    An engine in the checkpoint's layout (HF: `engine.expected_digests()` is None) must hold every pushed tensor
+    exactly. One that stacks and repacks them (vLLM) is checked in two steps, both by content:
+    - what its last push received (`engine.received_digests()`, digested as its `load_weights` took them) is
+      what the learner pushed, tensor by tensor (a push that arrived nowhere, or not whole, or other bytes);
+    - every engine tensor a push determines holds, at every position its loaders wrote, what they wrote there
+      (`engine.expected_digests()`: the pushed tensors' digests placed at the positions vLLM's own loaders put
+      them, against `engine.weight_digests()`: the tensors as held, a repacked linear's read back from its
+      kernel), so a layer left stale after the push, or two rows swapped, fails whatever the learning rate.
+    Before any push (`received_digests()` None: the engine as loaded) nothing is compared unless a push is being
+    verified (`previous` given). Engine tensors whose
+    processing after loading changes their values (vLLM's CPU expert prepack) or that no loader wrote are left to
+    a check by change (`engine.digest_sources()`: every one built from a learner tensor that changed since
+    `previous` must have changed) and to the log-prob probe.
     """
-    sources = engine.digest_sources()
     held = engine.weight_digests()
-    if sources is None:
+    expected = engine.expected_digests()
+    if expected is None:
         wrong = [n for n, d in learner.items() if held.get(n) != d]
         if wrong or not learner:
             raise WeightSyncError(
                 f"after the weight push the {engine.name} engine does not hold the learner's {wrong[:3]} "
                 f"({len(wrong)} of {len(learner)} tensors differ): the push did not reach the engine whole"
             )
-    elif previous is not None:
-        changed = {n for n, d in learner.items() if previous["learner"].get(n) != d}
-        before = previous["engine"]
-        if not changed:
-            moved = [e for e, d in held.items() if e in before and before[e] != d]
-            if moved:
-                raise _sync_error(engine, "changed although the learner's weights did not", moved)
-        stale = [
-            e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]
-        ]
-        if changed and not sources and held == before:  # no push mapped the sources yet: none moved at all
-            stale = sorted(held)
-        if stale:
-            raise _sync_error(
-                engine, "did not change although the learner's weights they are built from did", stale
-            )
+        return {"learner": learner, "engine": held}
+    received = engine.received_digests()
+    if received is None and previous is not None:  # a push is being verified, and the engine received none
+        received = {}
+    if received is not None:
+        late = [n for n, d in learner.items() if received.get(n) != d]
+        if late or not learner:
+            raise _sync_error(engine, "were not received as the learner pushed them", late)
+        wrong = [e for e, d in expected.items() if held.get(e) != d]
+        if wrong:
+            raise _sync_error(engine, "do not hold what the push loaded into them", wrong)
+    if previous is not None:
+        _check_by_change(learner, engine, previous, {e: d for e, d in held.items() if e not in expected})
     return {"learner": learner, "engine": held}
+
+
+def _check_by_change(learner: dict[str, str], engine, previous: dict, held: dict[str, str]) -> None:
+    """The engine tensors `held` that the content check cannot read: unchanged learner weights must leave every
+    one as it was; one built from a learner tensor that changed must have changed."""
+    sources = engine.digest_sources()
+    changed = {n for n, d in learner.items() if previous["learner"].get(n) != d}
+    before = previous["engine"]
+    if not changed:
+        moved = [e for e, d in held.items() if e in before and before[e] != d]
+        if moved:
+            raise _sync_error(engine, "changed although the learner's weights did not", moved)
+    stale = [e for e, src in sources.items() if e in held and changed & set(src) and before.get(e) == held[e]]
+    if stale:
+        raise _sync_error(
+            engine, "did not change although the learner's weights they are built from did", stale
+        )
 
 
 # -- the log-prob probe: the engine's forward against the learner's on fixed tokens --------------------------

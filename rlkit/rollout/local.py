@@ -30,6 +30,7 @@ from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
 from rlkit.weights import (
     Export,
+    check_engine,
     check_probe,
     probe_bound,
     probe_gap,
@@ -131,11 +132,13 @@ class LocalRollouts:
         is probed on the fixed tokens here, as is every push when no batch can probe (rollout.return_logprobs
         off); the gap is returned as `probe_gap`."""
         # Cast here (a bf16 engine gets bf16: half the bytes, and vLLM warns for every tensor it must cast).
-        stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype)
+        # Verified: each tensor is digested as it streams (on its device), so the learner exports once a push.
+        sent: dict[str, str] | None = {} if self.cfg.rollout.verify_push else None
+        stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype, digests=sent)
         self.engine.set_version(version)  # labels the tokens it samples from now on
-        if self.cfg.rollout.verify_push:
+        if sent is not None:
             start = time.perf_counter()
-            self.digests = verify_push(export, self.engine, self.digests)
+            self.digests = check_engine(sent, self.engine, self.digests)
             if self._probed(export):
                 if probe_now or not self.cfg.rollout.return_logprobs:
                     stats["probe_gap"] = self.probe(export, when=f"after the push of version {version}")
