@@ -52,6 +52,9 @@ class Export:
     float32 on the CPU, for the push's log-prob probe (`probe_gap`); every learner rank must call it."""
     probe_dtype: torch.dtype = torch.float32
     """The dtype the learner computes `probe` in (its bound: `probe_bound`)."""
+    probe_vocab: int = 1000
+    """The ids the probe's tokens are drawn from, `[0, probe_vocab)` (`probe_tokens`; the learner's `probe_vocab`
+    of its tokenizer and embedding)."""
 
 
 def clean_param_name(name: str) -> str:
@@ -432,26 +435,55 @@ def _check_by_change(learner: dict[str, str], engine, previous: dict, held: dict
 
 # -- the log-prob probe: the engine's forward against the learner's on fixed tokens --------------------------
 
-PROBE_BOUND = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+PROBE_BOUND = {
+    (torch.float32, "cpu"): 1e-4,
+    (torch.float32, "cuda"): 0.03,
+    (torch.bfloat16, "cpu"): 0.25,
+    (torch.bfloat16, "cuda"): 0.25,
+    (torch.float16, "cpu"): 0.05,
+    (torch.float16, "cuda"): 0.05,
+}
 """The mean |engine - learner| log-prob on the probe's tokens above which a push (or the engine as loaded) is
-refused, by the lower precision of the two sides. fp32: the families rlkit tests agree to ~5e-7
-(tests/rollout/test_families.py, docs/supported-models.md), while an engine missing its MoE expert prepack
-after a push differed by 2e-2. bf16: on SmolLM2-135M the probe's random tokens (log-probs around -11) read
-0.045 between an fp32 forward and a bf16-autocast one and 0.064 with bf16 weights (max 0.27), so an engine and
-a learner both off by that much stay under 0.25; a drift as small as the MoE one is then left to the digests.
-fp16 (3 more mantissa bits than bf16, not measured): 0.05."""
+refused, by (dtype, the engine's platform), for the lower precision of the two sides:
+- fp32 on the CPU: the families rlkit tests agree to ~5e-7 (tests/rollout/test_families.py,
+  docs/supported-models.md), while an engine missing its MoE expert prepack after a push differed by 2e-2.
+- fp32 on CUDA (not measured yet: scripts/gpu_check.py's probe gap is the measurement to take): vLLM's Triton
+  attention computes its fp32 dot products in TF32 (10 mantissa bits, 3 more than bf16), so the gap is expected
+  at about bf16's measured 0.064 / 8, ~8e-3 (issue 61 item 3 estimated 1e-3); 0.03 keeps bf16's margin (~4x)
+  over that. A stale or mangled tensor at a small learning rate is caught by the content digests, not the probe.
+- bf16 (any platform): on SmolLM2-135M the probe's random tokens (log-probs around -11) read 0.045 between an fp32
+  forward and a bf16-autocast one and 0.064 with bf16 weights (max 0.27), so an engine and a learner both off by
+  that much stay under 0.25; a drift as small as the MoE one is then left to the digests.
+- fp16 (3 more mantissa bits than bf16, not measured): 0.05.
+A platform other than the CPU (vLLM's ROCm reports "cuda"; XPU, TPU) takes the CUDA entry: accelerator kernels may
+compute with reduced-precision dots; a dtype not listed takes bf16's."""
 
 
-def probe_bound(*dtypes: torch.dtype) -> float:
-    """The probe's bound for log-probs computed in `dtypes` (the learner's and the engine's): the loosest."""
-    return max(PROBE_BOUND.get(d, PROBE_BOUND[torch.bfloat16]) for d in dtypes)
+def probe_bound(*dtypes: torch.dtype, platform: str = "cpu") -> float:
+    """The probe's bound for log-probs computed in `dtypes` (the learner's and the engine's) by an engine on
+    `platform` (vLLM's device type: "cpu", "cuda", ...): the loosest (PROBE_BOUND)."""
+    key = "cpu" if platform == "cpu" else "cuda"
+    return max(PROBE_BOUND.get((d, key), PROBE_BOUND[(torch.bfloat16, key)]) for d in dtypes)
+
+
+def probe_vocab(tokenizer_size: int, embedding_rows: int) -> int:
+    """The ids the probe may use: those both the tokenizer (vLLM refuses a prompt id beyond it) and the model's
+    embedding (which may have padding rows beyond the tokenizer, or fewer rows) know."""
+    return max(1, min(int(tokenizer_size), int(embedding_rows)))
 
 
 def probe_tokens(vocab_size: int = 1000, *, rows: int = 2, length: int = 32, seed: int = 0) -> Tensor:
-    """[rows, length] token ids below `vocab_size` (every vocabulary has the first thousand), the same on every
-    call: the probe's fixed input, which both sides compute without talking to each other."""
+    """[rows, length] token ids spread over the whole vocabulary `[0, vocab_size)`: one drawn in each of
+    rows x length equal slices of it, in a shuffled order, the same on every call. The probe's fixed input: a
+    stale or swapped row of the embedding or the output head is read wherever it sits, near the top of the
+    vocabulary too (ids below 1000 only, before: issue 56). The learner sends them with its log-probs (async) or
+    hands them to the engine's check itself (`Export.probe_vocab`)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (rows, length), generator=g)
+    n = rows * length
+    lo = torch.tensor([i * vocab_size // n for i in range(n)])
+    hi = torch.tensor([(i + 1) * vocab_size // n for i in range(n)])
+    ids = lo + (torch.rand(n, generator=g) * (hi - lo).clamp(min=1)).long()
+    return ids.clamp(max=vocab_size - 1)[torch.randperm(n, generator=g)].view(rows, length)
 
 
 def probe_gap(engine_logp: Tensor, learner_logp: Tensor) -> float:

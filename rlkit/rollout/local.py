@@ -143,7 +143,9 @@ class LocalRollouts:
                 if probe_now or not self.cfg.rollout.return_logprobs:
                     stats["probe_gap"] = self.probe(export, when=f"after the push of version {version}")
                 else:
-                    stats["probe_bound"] = probe_bound(export.probe_dtype, self.engine.weight_dtype)
+                    stats["probe_bound"] = probe_bound(
+                        export.probe_dtype, self.engine.weight_dtype, platform=engine_platform(self.engine)
+                    )
             stats["verify_seconds"] = time.perf_counter() - start
         return stats
 
@@ -157,10 +159,10 @@ class LocalRollouts:
         rank): `check_engine_probe`; None (and no learner forward) where the engine is not probed."""
         if not self._probed(export):
             return None
-        tokens = probe_tokens()
+        tokens = probe_tokens(export.probe_vocab)
         return check_engine_probe(
             self.engine, export.probe(tokens), export.probe_dtype, self.cfg.rollout.accept_engine_gap,
-            when=when, at_load=at_load,
+            when=when, at_load=at_load, tokens=tokens,
         )  # fmt: skip
 
     def evaluate(self, version: int) -> dict[str, float]:
@@ -213,17 +215,25 @@ class LocalRollouts:
             )
 
 
+def engine_platform(engine) -> str:
+    """The platform an engine computes on ("cpu", "cuda", ...): the probe's bound depends on it."""
+    return getattr(engine, "platform", "cpu")
+
+
 def check_engine_probe(
-    engine, learner_logprobs, learner_dtype, accepted: float | None, *, when: str, at_load: bool = False
-) -> float | None:
+    engine, learner_logprobs, learner_dtype, accepted: float | None, *, when: str, at_load: bool = False,
+    tokens=None,
+) -> float | None:  # fmt: skip
     """The log-prob probe, where the engine lives (this process, or an async rollout worker): the engine's
-    log-probs of `rlkit.weights.probe_tokens()` against the learner's, within the bound of the two dtypes or the
-    gap the run accepted (`rollout.accept_engine_gap`); `WeightSyncError` otherwise. Returns the gap, or None for
-    an engine without prompt log-probs (the HF engine, checked tensor for tensor instead). `at_load`: the
-    weights the engine loaded itself (a gap is then its forward's, not a push's)."""
+    log-probs of `tokens` (the learner's, `rlkit.weights.probe_tokens`) against the learner's, within the bound of
+    the two dtypes on the engine's platform or the gap the run accepted (`rollout.accept_engine_gap`);
+    `WeightSyncError` otherwise. Returns the gap, or None for an engine without prompt log-probs (the HF engine,
+    checked tensor for tensor instead). `at_load`: the weights the engine loaded itself (a gap is then its
+    forward's, not a push's)."""
     if not hasattr(engine, "prompt_logprobs"):
         return None
-    gap = probe_gap(engine.prompt_logprobs(probe_tokens()), learner_logprobs)
-    bound = probe_bound(learner_dtype, engine.weight_dtype)
+    tokens = probe_tokens() if tokens is None else tokens
+    gap = probe_gap(engine.prompt_logprobs(tokens), learner_logprobs)
+    bound = probe_bound(learner_dtype, engine.weight_dtype, platform=engine_platform(engine))
     check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted, at_load=at_load)
     return gap

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from vllm_faults import stale_down_proj, swap_embedding_rows, take_down_proj
 from vllm_import import TEST_ENGINE, import_vllm
 
 import_vllm()
@@ -247,30 +248,6 @@ def test_verify_push_catches_a_push_that_never_arrived(case):
     verify_push(export, engine, after)
 
 
-def _stale_down_proj(first):
-    """Runs in vLLM's worker: `layers.0.mlp.down_proj` gets back what it held when `first` was taken (its packed
-    CPU kernel and its weight tensor), as a push that left that layer stale would leave it."""
-
-    def restore(worker):
-        layer = worker.model_runner.get_model().get_submodule("model.layers.0.mlp.down_proj")
-        if first.get("kernel") is not None:
-            layer.cpu_linear = first["kernel"]
-        if first["weight"].numel():
-            layer.weight.data.copy_(first["weight"])
-
-    return restore
-
-
-def _take_down_proj(worker):
-    layer = worker.model_runner.get_model().get_submodule("model.layers.0.mlp.down_proj")
-    return {"kernel": getattr(layer, "cpu_linear", None), "weight": layer.weight.detach().clone()}
-
-
-def _swap_embedding_rows(worker):
-    weight = worker.model_runner.get_model().get_submodule("model.embed_tokens").weight
-    weight.data[[40000, 40001]] = weight.data[[40001, 40000]].clone()
-
-
 def test_a_stale_layer_or_two_swapped_rows_fail_the_check_at_a_learning_rate_of_1e_6(case):
     """Issue 56 item 2: the push is checked by content, so a corruption is caught whatever the learning rate: a
     linear layer left as it was before the push (vLLM's CPU backend keeps it repacked in its kernel: read back from
@@ -282,7 +259,7 @@ def test_a_stale_layer_or_two_swapped_rows_fail_the_check_at_a_learning_rate_of_
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
     checked = verify_push(export, engine)
-    first = engine.llm.collective_rpc(_take_down_proj)[0]
+    first = engine.llm.collective_rpc(take_down_proj)[0]
     g = torch.Generator().manual_seed(0)
 
     def step():  # every element moves by 1e-6 (in fp32: a few ulps of these weights)
@@ -293,12 +270,12 @@ def test_a_stale_layer_or_two_swapped_rows_fail_the_check_at_a_learning_rate_of_
 
     try:
         step()
-        engine.llm.collective_rpc(_stale_down_proj(first))
+        engine.llm.collective_rpc(stale_down_proj(first))
         with pytest.raises(WeightSyncError, match=r"layers\.0\.mlp\.down_proj.*do not hold what the push"):
             verify_push(export, engine, checked)
         step()
         checked = verify_push(export, engine, checked)  # a whole push passes again
-        engine.llm.collective_rpc(_swap_embedding_rows)
+        engine.llm.collective_rpc(swap_embedding_rows)
         with pytest.raises(WeightSyncError, match=r"model\.embed_tokens\.weight"):
             verify_push(export, engine, checked)
     finally:

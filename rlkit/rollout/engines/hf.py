@@ -71,6 +71,7 @@ class HFEngine:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self.platform = self.device.type
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(self.device).manual_seed(seed)
         if tokenizer.pad_token_id is None:

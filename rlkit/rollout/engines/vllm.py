@@ -196,6 +196,7 @@ class VLLMEngine:
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
             self._push_guard = PushGuard(self.name)
             self.on_cpu = on_cpu
+            self.platform = current_platform.device_type  # the probe's bound depends on it (rlkit.weights)
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
             directory, gguf_file = resolve_model(model_path)
