@@ -49,6 +49,7 @@ class Layouts:
     skipped: set = dataclasses.field(default_factory=set)  # targets left to the check by change
     kernels: set = dataclasses.field(default_factory=set)  # targets also read back from a packed kernel
     emptied: set = dataclasses.field(default_factory=set)  # targets read back from their kernel only
+    spans: dict = dataclasses.field(default_factory=dict)  # target -> [(start, length)] written (once mapped)
     mapped: bool = False  # the first push's maps are complete
     expected: dict = dataclasses.field(default_factory=dict)  # target -> 0-dim digest (this push)
     calls: dict = dataclasses.field(default_factory=dict)  # (ck, target) -> calls so far (this push)
@@ -59,9 +60,12 @@ class Layouts:
     def targets(self) -> list[str]:
         return sorted(t for t in self.shapes if t not in self.skipped)
 
-    def written(self, target: str) -> list[tuple[int, int]]:
-        """(start, length) of the positions of `target` its loaders write."""
-        return sorted((d, n) for (_, t, _), runs in self.maps.items() if t == target for d, _, n in runs)
+    def written(self) -> dict[str, list[tuple[int, int]]]:
+        """{target: (start, length) of the positions its loaders write}, from the maps."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for (_, target, _), runs in self.maps.items():
+            out.setdefault(target, []).extend((d, n) for d, _, n in runs)
+        return {t: sorted(spans) for t, spans in out.items()}
 
 
 def original_loader(loader):
@@ -143,8 +147,9 @@ def on_load(layouts: Layouts, ck: str, target: str, loader, args: tuple, kwargs:
 def finish_map(model, layouts: Layouts) -> None:
     """After the first push: a target that no loader wrote, or written twice at one position (which the sum
     cannot tell), is left out; which targets have a packed kernel to read back is noted."""
+    layouts.spans = layouts.written()
     for target in list(layouts.shapes):
-        spans = layouts.written(target)
+        spans = layouts.spans.get(target, [])
         if not spans or any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
             layouts.skipped.add(target)
         path, _, name = target.rpartition(".")
@@ -209,7 +214,7 @@ def held_digests(model, layouts: Layouts) -> dict[str, str]:
     for target in layouts.targets():
         path, _, name = target.rpartition(".")
         shape, dtype = layouts.shapes[target]
-        spans = layouts.written(target)
+        spans = layouts.spans[target]
         for suffix, form in held_forms(model.get_submodule(path), name, shape, dtype).items():
             if form is None:
                 continue
