@@ -53,9 +53,15 @@ class Layouts:
     mapped: bool = False  # the first push's maps are complete
     expected: dict = dataclasses.field(default_factory=dict)  # target -> 0-dim digest (this push)
     calls: dict = dataclasses.field(default_factory=dict)  # (ck, target) -> calls so far (this push)
+    seen: dict = dataclasses.field(
+        default_factory=dict
+    )  # id(tensor) -> (tensor, its digest) received this push
 
     def begin(self) -> None:
-        self.expected, self.calls = {}, {}
+        self.expected, self.calls, self.seen = {}, {}, {}
+
+    def end(self) -> None:
+        self.seen = {}
 
     def targets(self) -> list[str]:
         return sorted(t for t in self.shapes if t not in self.skipped)
@@ -137,8 +143,18 @@ def on_load(layouts: Layouts, ck: str, target: str, loader, args: tuple, kwargs:
         layouts.maps[key] = runs
         layouts.shapes[target] = (tuple(param.shape), param.dtype)
     dtype = layouts.shapes[target][1]
-    flat = loaded.detach().reshape(-1)
-    part = sum(range_digest(flat[s : s + n].to(dtype), d) for d, s, n in layouts.maps[key])
+    runs = layouts.maps[key]
+    known = layouts.seen.get(id(loaded))
+    if (
+        known is not None
+        and known[0] is loaded
+        and loaded.dtype == dtype
+        and runs == [(0, 0, loaded.numel())]
+    ):
+        part = known[1]  # the very tensor the push received, written whole at position 0: its digest already
+    else:
+        flat = loaded.detach().reshape(-1)
+        part = sum(range_digest(flat[s : s + n].to(dtype), d) for d, s, n in runs)
     if not isinstance(part, Tensor):  # no run: nothing written
         return
     layouts.expected[target] = layouts.expected.get(target, 0) + part

@@ -64,7 +64,9 @@ class PushBook:
         (`received`, set when the stream ends)."""
         self.received, seen = {}, {}
         for name, tensor in named:
-            seen[name] = tensor_digest(tensor.to(dtype))
+            tensor = tensor.to(dtype)
+            seen[name] = tensor_digest(tensor)
+            self.layouts.seen[id(tensor)] = (tensor, seen[name])  # a loader given this very tensor reuses it
             yield name, tensor
         self.received = to_host(seen)
 

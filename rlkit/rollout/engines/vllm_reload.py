@@ -196,6 +196,8 @@ def worker_reload(worker, weights, layouts: Layouts | None = None) -> dict:
         finalize_layerwise_reload(model, worker.model_config)  # (layers processed late are still watched)
     finally:
         _RECORDING.update(layouts=None)
+        if layouts is not None:
+            layouts.end()
     if missed and unrecorded:
         missed = _load_directly(model, missed, unrecorded, loads)
     touched = set().union(*loads.values()) if loads else set()
