@@ -20,7 +20,6 @@ Across processes (trainer.mode=async), `send_weights` broadcasts the same stream
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rlkit.collectives import broadcast, wait_on_host
+from rlkit.digests import tensor_digest, to_host
 
 Manifest = dict[str, tuple[int, ...]]
 
@@ -52,6 +52,9 @@ class Export:
     float32 on the CPU, for the push's log-prob probe (`probe_gap`); every learner rank must call it."""
     probe_dtype: torch.dtype = torch.float32
     """The dtype the learner computes `probe` in (its bound: `probe_bound`)."""
+    probe_vocab: int = 1000
+    """The ids the probe's tokens are drawn from, `[0, probe_vocab)` (`probe_tokens`; the learner's `probe_vocab`
+    of its tokenizer and embedding)."""
 
 
 def clean_param_name(name: str) -> str:
@@ -88,7 +91,7 @@ def reshard(module: torch.nn.Module) -> None:
     After a forward without gradients FSDP2 leaves the root's parameters unsharded (it expects a backward to
     follow), and an unsharded parameter is FSDP2's own buffer, which its next reshard frees by resizing the
     storage to 0. Handed out, such a tensor would be freed under its holder (vLLM's reload buffers what it
-    loads), and one `.numpy()` of it (a digest) marks the storage non-resizable, so that FSDP2's next reshard
+    loads), and one `.numpy()` of it (safetensors, a sha256 of its bytes) marks the storage non-resizable, so that FSDP2's next reshard
     fails: "Trying to resize storage that is not resizable"."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -226,9 +229,12 @@ class PushGuard:
         return count
 
 
-def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtype | None) -> Iterator:
+def _counted(
+    named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtype | None, digests: dict | None = None
+) -> Iterator:
     """The stream with its bookkeeping: counts, bytes, and the seconds spent producing each tensor (the
-    export: an FSDP2 all-gather, a LoRA merge) and casting it, so the engine's own part is the rest."""
+    export: an FSDP2 all-gather, a LoRA merge) and casting it, so the engine's own part is the rest. With a
+    `digests` dict, each tensor's digest as streamed (cast), on its device (rlkit.digests: no host copy here)."""
     stats.setdefault("export_seconds", 0.0)
     stats.setdefault("cast_seconds", 0.0)
     it = iter(named)
@@ -247,10 +253,14 @@ def _counted(named: Iterable[tuple[str, Tensor]], stats: dict, dtype: torch.dtyp
         stats["num_tensors"] += 1
         stats["num_params"] += tensor.numel()
         stats["bytes"] += tensor.numel() * tensor.element_size()
+        if digests is not None:
+            digests[name] = tensor_digest(tensor)
         yield name, tensor
 
 
-def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) -> dict[str, float]:
+def push_weights(
+    export: Export, engine, *, dtype: torch.dtype | None = None, digests: dict | None = None
+) -> dict[str, float]:
     """Stream the learner's `export` into `engine.load_weights`; every rank must call it.
 
     The engine first checks the learner's manifest (names and shapes from parameter metadata), so a
@@ -260,10 +270,15 @@ def push_weights(export: Export, engine, *, dtype: torch.dtype | None = None) ->
     Returns stats: `seconds`, `num_tensors`, `num_params`, `bytes`, `gb_per_s`, and the parts of `seconds`:
     `export_seconds` (producing the tensors), `cast_seconds`, `load_seconds` (the engine's own: for vLLM the
     copy into its layers, their reprocessing into kernel format and the prefix-cache reset).
+    With a `digests` dict, fills it with {name: digest} of every tensor as it was streamed (`check_engine`
+    compares the engine with them): the export is gathered once per push, and digested where it is.
     """
     stats = {"num_tensors": 0, "num_params": 0, "bytes": 0}
     start = time.perf_counter()
-    engine.load_weights(_counted(export.tensors(), stats, dtype), manifest=export.manifest)
+    streamed: dict | None = None if digests is None else {}
+    engine.load_weights(_counted(export.tensors(), stats, dtype, streamed), manifest=export.manifest)
+    if streamed is not None:
+        digests.update(to_host(streamed))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if stats["num_tensors"] == 0:
@@ -281,19 +296,14 @@ def _finished(stats: dict, start: float) -> dict[str, float]:
 # -- across processes (trainer.mode=async: rlkit/rollout/remote/) ------------------------------------
 
 
-# How often send_weights polls a queued broadcast before a digest's copy to the host (a tensor's broadcast takes
-# milliseconds; a coarse poll would add its interval to every tensor of a verified push).
-DIGEST_POLL_S = 0.002
-
-
 def send_weights(
     pg, export: Export, dtype: torch.dtype, *, is_main: bool, device, digests: dict | None = None,
     timeout_s: float = 600.0, alive: Callable[[], None] | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """Broadcast the learner's `export` from learner rank 0 (root of `pg`), cast to `dtype`, in the order of
     its manifest; every learner rank must call it (FSDP2 gathers each parameter on all ranks). With a
-    `digests` dict, rank 0 fills it with each sent tensor's sha256 (what the workers check their engines
-    against: `check_engine`). Rank 0 returns once the last broadcast has finished on the host (under NCCL
+    `digests` dict, rank 0 fills it with each sent tensor's digest (what the workers check their engines
+    against: `check_engine`), computed on the device and copied to the host once, after the last broadcast. Rank 0 returns once the last broadcast has finished on the host (under NCCL
     the broadcasts are only queued on the GPU; `alive()` is called while waiting and raises to name a
     receiver that died; rlkit.collectives.wait_on_host)."""
     names = list(export.manifest)
@@ -305,20 +315,18 @@ def send_weights(
             pass
         return _finished(stats, start)
     work = None
-    for i, (name, tensor) in enumerate(_counted(named, stats, dtype)):
+    streamed: dict | None = None if digests is None else {}
+    for i, (name, tensor) in enumerate(_counted(named, stats, dtype, streamed)):
         if i >= len(names) or name != names[i]:
             raise RuntimeError(
                 f"weight push: the learner yielded {name!r} where the manifest has "
                 f"{names[i] if i < len(names) else 'nothing more'!r}; the workers receive in manifest order"
             )
-        if digests is not None:
-            if work is not None:  # the digest's copy to the host queues behind the broadcasts sent so far: a
-                # dead receiver would hold it, unnamed, until NCCL's timeout; wait here with the liveness poll
-                wait_on_host(work, timeout_s, alive, poll_s=DIGEST_POLL_S)
-            digests[name] = digest(tensor)
         _, work = broadcast(pg, tensor.detach(), device)
     if work is not None:
         wait_on_host(work, timeout_s, alive)
+    if streamed is not None:
+        digests.update(to_host(streamed))
     done = _finished(stats, start)
     # The rest of the push: digests and the broadcast to the workers (their engines load on their own).
     done["transfer_seconds"] = max(0.0, done["seconds"] - stats["export_seconds"] - stats["cast_seconds"])
@@ -348,12 +356,6 @@ def receive_weights(pg, engine, manifest: Manifest, dtype: torch.dtype, device) 
 # -- verifying a push: what the engine holds, tensor by tensor ---------------------------------------------
 
 
-def digest(tensor: Tensor) -> str:
-    """sha256 of a tensor's bytes (vLLM's `compute_weight_checksums` digest)."""
-    flat = tensor.detach().cpu().contiguous().view(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
-
-
 def engine_sources(loads: dict[str, list[str]], origins: dict[str, list[str]]) -> dict[str, list[str]]:
     """{engine tensor: the learner tensors it is built from}, from what a push recorded: `loads` ({checkpoint
     tensor: the engine tensors its loader wrote}, vLLM's own loaders) and `origins` ({checkpoint tensor: the
@@ -365,16 +367,17 @@ def engine_sources(loads: dict[str, list[str]], origins: dict[str, list[str]]) -
     return {e: sorted(src) for e, src in out.items() if src}
 
 
+def learner_digests(export: Export, dtype: torch.dtype) -> dict[str, str]:
+    """{name: digest} of the learner's tensors cast to `dtype`, from a fresh export (every rank must call it:
+    the gathers are collectives). A push digests what it streams instead (`push_weights(digests=)`); this is
+    for the engine as loaded, before any push."""
+    return to_host({n: tensor_digest(t.to(dtype)) for n, t in export.tensors()})
+
+
 def verify_push(export: Export, engine, previous: dict | None = None) -> dict:
-    """Check, tensor by tensor, that the engine holds what the learner exported (`check_engine`); every rank
-    calls it (the export's gathers are collectives). Returns the digests to pass as `previous` next time."""
-    dtype = engine.weight_dtype
-    sources = engine.digest_sources()
-    # What check_engine compares: every tensor for an engine in the checkpoint's layout, or one whose sources no
-    # push has recorded yet (vLLM at start-up); else the learner tensors the engine's hashed tensors come from.
-    read = set().union(*sources.values()) if sources else None
-    learner = {n: digest(t.to(dtype)) for n, t in export.tensors() if read is None or n in read}
-    return check_engine(learner, engine, previous)
+    """`check_engine` against a fresh export of the learner's tensors (the engine as loaded at start-up, and
+    tests); every rank calls it. Returns the digests to pass as `previous` next time."""
+    return check_engine(learner_digests(export, engine.weight_dtype), engine, previous)
 
 
 def _sync_error(engine, what: str, names: list[str]) -> WeightSyncError:
@@ -386,69 +389,117 @@ def _sync_error(engine, what: str, names: list[str]) -> WeightSyncError:
 
 
 def check_engine(learner: dict[str, str], engine, previous: dict | None = None) -> dict:
-    """Compare the sha256 of the learner's tensors (`learner`, cast to the engine's dtype) with what the engine
-    holds. Returns the digests to pass as `previous` to the next check.
+    """Check by content that the engine holds what the learner pushed: `learner` is {name: digest} of the
+    learner's tensors as pushed (cast to the engine's dtype; rlkit.digests). Raises `WeightSyncError` naming the
+    tensors; returns the digests to pass as `previous` to the next check.
 
-    An engine that keeps the checkpoint's layout (HF: `engine.digest_sources()` is None) must hold every
-    exported tensor exactly. One that stacks and repacks them (vLLM) is checked by change, over every tensor of
-    its own whose bytes a push determines (`engine.weight_digests()`: the engine leaves out what it holds
-    elsewhere, such as a weight emptied after its layer was repacked): when no learner tensor changed since
-    the previous check, no engine tensor may have changed (a push of the same weights must give the same
-    bytes); and every engine tensor built from a learner tensor that changed must have changed too (a push
-    that delivered nothing, or not to that tensor), whatever the learning rate (before a push has told which
-    engine tensors a learner tensor writes, `engine.digest_sources()` is empty: then some engine tensor must
-    have changed). A mismatch raises `WeightSyncError` naming the tensors.
+    An engine in the checkpoint's layout (HF: `engine.expected_digests()` is None) must hold every pushed tensor
+    exactly. One that stacks and repacks them (vLLM) is checked in two steps, both by content:
+    - what its last push received (`engine.received_digests()`, digested as its `load_weights` took them) is
+      what the learner pushed, tensor by tensor (a push that arrived nowhere, or not whole, or other bytes);
+    - every engine tensor a push determines holds, at every position its loaders wrote, what they wrote there
+      (`engine.expected_digests()`: the pushed tensors' digests placed at the positions vLLM's own loaders put
+      them, against `engine.weight_digests()`: the tensors as held, a repacked linear's read back from its
+      kernel), so a layer left stale after the push, or two rows swapped, fails whatever the learning rate.
+    Before any push (`received_digests()` None: the engine as loaded) nothing is compared unless a push is being
+    verified (`previous` given). Engine tensors whose
+    processing after loading changes their values (vLLM's CPU expert prepack) or that no loader wrote are left to
+    a check by change (`engine.digest_sources()`: every one built from a learner tensor that changed since
+    `previous` must have changed) and to the log-prob probe.
     """
-    sources = engine.digest_sources()
     held = engine.weight_digests()
-    if sources is None:
+    expected = engine.expected_digests()
+    if expected is None:
         wrong = [n for n, d in learner.items() if held.get(n) != d]
         if wrong or not learner:
             raise WeightSyncError(
                 f"after the weight push the {engine.name} engine does not hold the learner's {wrong[:3]} "
                 f"({len(wrong)} of {len(learner)} tensors differ): the push did not reach the engine whole"
             )
-    elif previous is not None:
-        changed = {n for n, d in learner.items() if previous["learner"].get(n) != d}
-        before = previous["engine"]
-        if not changed:
-            moved = [e for e, d in held.items() if e in before and before[e] != d]
-            if moved:
-                raise _sync_error(engine, "changed although the learner's weights did not", moved)
-        stale = [
-            e for e, src in sources.items() if changed & set(src) and e in before and held.get(e) == before[e]
-        ]
-        if changed and not sources and held == before:  # no push mapped the sources yet: none moved at all
-            stale = sorted(held)
-        if stale:
-            raise _sync_error(
-                engine, "did not change although the learner's weights they are built from did", stale
-            )
+        return {"learner": learner, "engine": held}
+    received = engine.received_digests()
+    if received is None and previous is not None:  # a push is being verified, and the engine received none
+        received = {}
+    if received is not None:
+        late = [n for n, d in learner.items() if received.get(n) != d]
+        if late or not learner:
+            raise _sync_error(engine, "were not received as the learner pushed them", late)
+        wrong = [e for e, d in expected.items() if held.get(e) != d]
+        if wrong:
+            raise _sync_error(engine, "do not hold what the push loaded into them", wrong)
+    if previous is not None:
+        _check_by_change(learner, engine, previous, {e: d for e, d in held.items() if e not in expected})
     return {"learner": learner, "engine": held}
+
+
+def _check_by_change(learner: dict[str, str], engine, previous: dict, held: dict[str, str]) -> None:
+    """The engine tensors `held` that the content check cannot read: unchanged learner weights must leave every
+    one as it was; one built from a learner tensor that changed must have changed."""
+    sources = engine.digest_sources()
+    changed = {n for n, d in learner.items() if previous["learner"].get(n) != d}
+    before = previous["engine"]
+    if not changed:
+        moved = [e for e, d in held.items() if e in before and before[e] != d]
+        if moved:
+            raise _sync_error(engine, "changed although the learner's weights did not", moved)
+    stale = [e for e, src in sources.items() if e in held and changed & set(src) and before.get(e) == held[e]]
+    if stale:
+        raise _sync_error(
+            engine, "did not change although the learner's weights they are built from did", stale
+        )
 
 
 # -- the log-prob probe: the engine's forward against the learner's on fixed tokens --------------------------
 
-PROBE_BOUND = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+PROBE_BOUND = {
+    (torch.float32, "cpu"): 1e-4,
+    (torch.float32, "cuda"): 0.03,
+    (torch.bfloat16, "cpu"): 0.25,
+    (torch.bfloat16, "cuda"): 0.25,
+    (torch.float16, "cpu"): 0.05,
+    (torch.float16, "cuda"): 0.05,
+}
 """The mean |engine - learner| log-prob on the probe's tokens above which a push (or the engine as loaded) is
-refused, by the lower precision of the two sides. fp32: the families rlkit tests agree to ~5e-7
-(tests/rollout/test_families.py, docs/supported-models.md), while an engine missing its MoE expert prepack
-after a push differed by 2e-2. bf16: on SmolLM2-135M the probe's random tokens (log-probs around -11) read
-0.045 between an fp32 forward and a bf16-autocast one and 0.064 with bf16 weights (max 0.27), so an engine and
-a learner both off by that much stay under 0.25; a drift as small as the MoE one is then left to the digests.
-fp16 (3 more mantissa bits than bf16, not measured): 0.05."""
+refused, by (dtype, the engine's platform), for the lower precision of the two sides:
+- fp32 on the CPU: the families rlkit tests agree to ~5e-7 (tests/rollout/test_families.py,
+  docs/supported-models.md), while an engine missing its MoE expert prepack after a push differed by 2e-2.
+- fp32 on CUDA (not measured yet: scripts/gpu_check.py's probe gap is the measurement to take): vLLM's Triton
+  attention computes its fp32 dot products in TF32 (10 mantissa bits, 3 more than bf16), so the gap is expected
+  at about bf16's measured 0.064 / 8, ~8e-3 (issue 61 item 3 estimated 1e-3); 0.03 keeps bf16's margin (~4x)
+  over that. A stale or mangled tensor at a small learning rate is caught by the content digests, not the probe.
+- bf16 (any platform): on SmolLM2-135M the probe's random tokens (log-probs around -11) read 0.045 between an fp32
+  forward and a bf16-autocast one and 0.064 with bf16 weights (max 0.27), so an engine and a learner both off by
+  that much stay under 0.25; a drift as small as the MoE one is then left to the digests.
+- fp16 (3 more mantissa bits than bf16, not measured): 0.05.
+A platform other than the CPU (vLLM's ROCm reports "cuda"; XPU, TPU) takes the CUDA entry: accelerator kernels may
+compute with reduced-precision dots; a dtype not listed takes bf16's."""
 
 
-def probe_bound(*dtypes: torch.dtype) -> float:
-    """The probe's bound for log-probs computed in `dtypes` (the learner's and the engine's): the loosest."""
-    return max(PROBE_BOUND.get(d, PROBE_BOUND[torch.bfloat16]) for d in dtypes)
+def probe_bound(*dtypes: torch.dtype, platform: str = "cpu") -> float:
+    """The probe's bound for log-probs computed in `dtypes` (the learner's and the engine's) by an engine on
+    `platform` (vLLM's device type: "cpu", "cuda", ...): the loosest (PROBE_BOUND)."""
+    key = "cpu" if platform == "cpu" else "cuda"
+    return max(PROBE_BOUND.get((d, key), PROBE_BOUND[(torch.bfloat16, key)]) for d in dtypes)
+
+
+def probe_vocab(tokenizer_size: int, embedding_rows: int) -> int:
+    """The ids the probe may use: those both the tokenizer (vLLM refuses a prompt id beyond it) and the model's
+    embedding (which may have padding rows beyond the tokenizer, or fewer rows) know."""
+    return max(1, min(int(tokenizer_size), int(embedding_rows)))
 
 
 def probe_tokens(vocab_size: int = 1000, *, rows: int = 2, length: int = 32, seed: int = 0) -> Tensor:
-    """[rows, length] token ids below `vocab_size` (every vocabulary has the first thousand), the same on every
-    call: the probe's fixed input, which both sides compute without talking to each other."""
+    """[rows, length] token ids spread over the whole vocabulary `[0, vocab_size)`: one drawn in each of
+    rows x length equal slices of it, in a shuffled order, the same on every call. The probe's fixed input: a
+    stale or swapped row of the embedding or the output head is read wherever it sits, near the top of the
+    vocabulary too (ids below 1000 only, before: issue 56). The learner sends them with its log-probs (async) or
+    hands them to the engine's check itself (`Export.probe_vocab`)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (rows, length), generator=g)
+    n = rows * length
+    lo = torch.tensor([i * vocab_size // n for i in range(n)])
+    hi = torch.tensor([(i + 1) * vocab_size // n for i in range(n)])
+    ids = lo + (torch.rand(n, generator=g) * (hi - lo).clamp(min=1)).long()
+    return ids.clamp(max=vocab_size - 1)[torch.randperm(n, generator=g)].view(rows, length)
 
 
 def probe_gap(engine_logp: Tensor, learner_logp: Tensor) -> float:

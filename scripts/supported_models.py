@@ -25,8 +25,8 @@ engine by the CI matrix (`tests/rollout/test_families.py`), which writes the tab
 (`docs/supported-models.json`; this page: `python scripts/supported_models.py`).
 
 What "trains" means on vLLM: the engine as loaded computes the learner's log-probs (the probe's mean |dlogp| on
-fixed tokens, fp32 bound 1e-4); the same weights pushed again change no engine tensor; changed weights pushed
-change every engine tensor built from them and the probe still agrees. "refused" means rlkit stops at start-up
+fixed tokens, fp32 bound 1e-4 on the CPU); the same weights pushed again, then changed ones, leave every engine
+tensor holding what the push wrote (checked by content) and the probe still agrees. "refused" means rlkit stops at start-up
 (the step-0 probe, or the push of the same weights that `LocalRollouts.start` makes) with an error naming the
 cause and the alternative, never trains with a drift. The HF engine is checked tensor for tensor after a push.
 

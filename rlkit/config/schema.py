@@ -149,21 +149,22 @@ class RolloutConfig:
     current policy's log-probs of the whole batch (no rollout IS, on-policy update, no reference KL, no
     critic); 0 = all. A few samples suffice to prove the weight push and save a full forward pass."""
     verify_push: bool = True
-    """After every weight push, compare the sha256 of the engine's tensors with the learner's (HF: tensor for
-    tensor; vLLM: none may change when the learner's did not, every one built from a changed learner tensor
-    must change; on CPU the linear weights vLLM repacks into its kernels' format are left out) and probe the
-    engine's log-probs against the learner's (vLLM: on fixed tokens at start-up, before an evaluation and in
-    async workers; on the next batch's own tokens otherwise, rlkit/sync.py); a mismatch is a
+    """After every weight push, check by content that the engine holds what the learner pushed (digests computed
+    on the device as the export streams, one export per push: HF tensor for tensor; vLLM: what its push received,
+    and every engine tensor at the positions its weight loaders write, a CPU-repacked linear read back from its
+    kernel; tensors vLLM's processing changes after loading are checked by change) and probe the engine's
+    log-probs against the learner's (vLLM: on fixed tokens spread over the vocabulary at start-up, before an
+    evaluation and in async workers; on the next batch's own tokens otherwise, rlkit/sync.py); a mismatch is a
     WeightSyncError naming the tensors. In async mode each rollout worker checks its engine against the
-    digests and probe of what the learner sent. Measured cost for a 135M model on 2 CPU cores (before the
-    probe and the whole-engine digests): about 0.7 s (HF), 0.20 s (vLLM fp32), 0.11 s (vLLM bf16) per push."""
+    digests and probe of what the learner sent. What it compares and cannot see: docs/guides/operations.md."""
     weight_sync_kl_threshold: Optional[float] = None
     """At step 0 and after the first weight push, |mismatch/kl| above this is a fatal weight-sync error; null = 0.05
     when the learner and the engine compute in fp32, 0.15 with bf16 compute or bf16 weights (measured: docs/benchmarks.md)."""
     accept_engine_gap: Optional[float] = None
     """The mean |dlogp| between the engine's and the learner's log-probs on the weight-sync probe's fixed tokens
     (rlkit.weights.probe_gap, run at start-up on the engine as loaded and after every push) that this run
-    accepts above the bound of its compute dtype (fp32: 1e-4). null = none: an engine whose forward differs
+    accepts above the bound of its compute dtype and platform (fp32: 1e-4 on the CPU, 0.03 on CUDA;
+    rlkit.weights.PROBE_BOUND). null = none: an engine whose forward differs
     from the learner's for this model (e.g. vLLM's CPU MLA attention of DeepSeek-V2/V3: 2.5e-3 and 2.2e-3 on
     the tiny test models) is refused at start-up with the measured gap; set this to at least that gap to train
     with it anyway (docs/supported-models.md)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,9 +62,9 @@ from rlkit.learner.loss import MicroInputs, micro_loss
 from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
-from rlkit.models import eval_mode, load_causal_lm, load_value_model
+from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model
 from rlkit.rundir import CheckpointError, latest_checkpoint
-from rlkit.weights import Export, iter_full_parameters, module_manifest, reshard
+from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
 
@@ -440,8 +441,15 @@ class Learner:
         """The policy's weights as the rollout side receives them (rlkit.weights), with the log-prob probe
         the push is checked by (a push can copy every byte and still leave a drift)."""
         return Export(
-            self.manifest, self.named_weights, probe=self.probe_logprobs, probe_dtype=self.compute_dtype
-        )
+            self.manifest, self.named_weights, probe=self.probe_logprobs, probe_dtype=self.compute_dtype,
+            probe_vocab=self.probe_vocab,
+        )  # fmt: skip
+
+    @functools.cached_property
+    def probe_vocab(self) -> int:
+        """The ids the push's log-prob probe draws from: those the tokenizer and the embedding both know."""
+        rows = self.accelerator.unwrap_model(self.model).get_input_embeddings().num_embeddings
+        return probe_vocab(len(load_tokenizer(self.cfg.model.path)), rows)
 
     @torch.no_grad()
     def probe_logprobs(self, tokens: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
 from rlkit.weights import (
     Export,
+    check_engine,
     check_probe,
     probe_bound,
     probe_gap,
@@ -131,16 +132,20 @@ class LocalRollouts:
         is probed on the fixed tokens here, as is every push when no batch can probe (rollout.return_logprobs
         off); the gap is returned as `probe_gap`."""
         # Cast here (a bf16 engine gets bf16: half the bytes, and vLLM warns for every tensor it must cast).
-        stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype)
+        # Verified: each tensor is digested as it streams (on its device), so the learner exports once a push.
+        sent: dict[str, str] | None = {} if self.cfg.rollout.verify_push else None
+        stats = push_weights(export, self.engine, dtype=self.engine.weight_dtype, digests=sent)
         self.engine.set_version(version)  # labels the tokens it samples from now on
-        if self.cfg.rollout.verify_push:
+        if sent is not None:
             start = time.perf_counter()
-            self.digests = verify_push(export, self.engine, self.digests)
+            self.digests = check_engine(sent, self.engine, self.digests)
             if self._probed(export):
                 if probe_now or not self.cfg.rollout.return_logprobs:
                     stats["probe_gap"] = self.probe(export, when=f"after the push of version {version}")
                 else:
-                    stats["probe_bound"] = probe_bound(export.probe_dtype, self.engine.weight_dtype)
+                    stats["probe_bound"] = probe_bound(
+                        export.probe_dtype, self.engine.weight_dtype, platform=engine_platform(self.engine)
+                    )
             stats["verify_seconds"] = time.perf_counter() - start
         return stats
 
@@ -154,10 +159,10 @@ class LocalRollouts:
         rank): `check_engine_probe`; None (and no learner forward) where the engine is not probed."""
         if not self._probed(export):
             return None
-        tokens = probe_tokens()
+        tokens = probe_tokens(export.probe_vocab)
         return check_engine_probe(
             self.engine, export.probe(tokens), export.probe_dtype, self.cfg.rollout.accept_engine_gap,
-            when=when, at_load=at_load,
+            when=when, at_load=at_load, tokens=tokens,
         )  # fmt: skip
 
     def evaluate(self, version: int) -> dict[str, float]:
@@ -210,17 +215,25 @@ class LocalRollouts:
             )
 
 
+def engine_platform(engine) -> str:
+    """The platform an engine computes on ("cpu", "cuda", ...): the probe's bound depends on it."""
+    return getattr(engine, "platform", "cpu")
+
+
 def check_engine_probe(
-    engine, learner_logprobs, learner_dtype, accepted: float | None, *, when: str, at_load: bool = False
-) -> float | None:
+    engine, learner_logprobs, learner_dtype, accepted: float | None, *, when: str, at_load: bool = False,
+    tokens=None,
+) -> float | None:  # fmt: skip
     """The log-prob probe, where the engine lives (this process, or an async rollout worker): the engine's
-    log-probs of `rlkit.weights.probe_tokens()` against the learner's, within the bound of the two dtypes or the
-    gap the run accepted (`rollout.accept_engine_gap`); `WeightSyncError` otherwise. Returns the gap, or None for
-    an engine without prompt log-probs (the HF engine, checked tensor for tensor instead). `at_load`: the
-    weights the engine loaded itself (a gap is then its forward's, not a push's)."""
+    log-probs of `tokens` (the learner's, `rlkit.weights.probe_tokens`) against the learner's, within the bound of
+    the two dtypes on the engine's platform or the gap the run accepted (`rollout.accept_engine_gap`);
+    `WeightSyncError` otherwise. Returns the gap, or None for an engine without prompt log-probs (the HF engine,
+    checked tensor for tensor instead). `at_load`: the weights the engine loaded itself (a gap is then its
+    forward's, not a push's)."""
     if not hasattr(engine, "prompt_logprobs"):
         return None
-    gap = probe_gap(engine.prompt_logprobs(probe_tokens()), learner_logprobs)
-    bound = probe_bound(learner_dtype, engine.weight_dtype)
+    tokens = probe_tokens() if tokens is None else tokens
+    gap = probe_gap(engine.prompt_logprobs(tokens), learner_logprobs)
+    bound = probe_bound(learner_dtype, engine.weight_dtype, platform=engine_platform(engine))
     check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted, at_load=at_load)
     return gap

@@ -176,7 +176,7 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
     from rlkit.models import load_tokenizer
     from rlkit.rollout.engines.base import Sampling
     from rlkit.rollout.engines.hf import HFEngine
-    from rlkit.weights import digest, probe_tokens, push_weights
+    from rlkit.weights import probe_tokens, push_weights
 
     learner = Learner(learner_cfg(model_path=tok_dir, dtype=dtype, strategy="fsdp2", lr=1e-2))
     tokenizer = load_tokenizer(tok_dir)
@@ -202,11 +202,13 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
     push_weights(learner.export(), engine)
     after = kl(engine.generate(prompts, 2, sampling))
     # What a vLLM push does next: the log-prob probe (a forward without gradients, after which FSDP2 leaves the
-    # root's parameters gathered), then the export digested. Neither may hand out FSDP2's own gathered buffers:
-    # a digest's `.numpy()` of one made its storage non-resizable and the next backward's reshard failed.
+    # root's parameters gathered), then the export read by a consumer. The export may not hand out FSDP2's own
+    # gathered buffers: a consumer's numpy view of one (safetensors' save, the sha256 digest rlkit had) made its
+    # storage non-resizable, and the next backward's reshard failed ("Trying to resize storage that is not
+    # resizable"); FSDP2 would also free it under a consumer that holds it.
     export = learner.export()
     export.probe(probe_tokens(tokenizer.vocab_size))
-    owned = [digest(t) for _, t in export.tensors()]
+    owned = [t.detach().cpu().numpy().sum() for _, t in export.tensors()]
     learner.update(batch)
     return {"before": before, "after": after, "digests": len(owned)}
 

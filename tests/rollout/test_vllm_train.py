@@ -143,3 +143,42 @@ def test_lora_and_multi_turn_episodes_on_vllm_keep_the_engine_and_learner_in_agr
     for m in steps:
         assert m["env/turns"] > 1 and m["grad_norm"] > 0
         assert abs(m["mismatch/kl"]) < 1e-4 and m["mismatch/logprob_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("corruption, push", [("stale", 2), ("swap", 1)])
+def test_a_corrupted_engine_stops_the_run_at_the_first_push_it_touches_at_lr_1e_6(
+    tiny, tmp_path, corruption, push
+):
+    """Issue 56 item 2, at the GSM8K recipes' learning rate (1e-6), where the log-prob gap of a stale layer stays
+    under the fp32 bound for steps: after every push a hook gives `layers.0.mlp.down_proj` its first value back
+    (the first push that moves it is the second: the start-up push brings the weights the engine loaded), or, from
+    that push on, swaps the embedding's rows 40000 and 40001 (tied: the head's too), where the learner's weights
+    moved too (a check by change saw nothing: issue 56). The push check reads every engine tensor by content and
+    stops the run at that push, naming the tensor."""
+    from vllm_faults import stale_down_proj, swap_embedding_rows, take_down_proj
+
+    from rlkit.rollout.engines.vllm import VLLMEngine
+    from rlkit.weights import WeightSyncError
+
+    real, pushes, first = VLLMEngine.load_weights, [], {}
+
+    def hooked(self, named, *, manifest=None):
+        count = real(self, named, manifest=manifest)
+        pushes.append(1)
+        if corruption == "swap":
+            if len(pushes) > 1:
+                self.llm.collective_rpc(swap_embedding_rows)
+        elif not first:
+            first.update(self.llm.collective_rpc(take_down_proj)[0])
+        else:
+            self.llm.collective_rpc(stale_down_proj(first))
+        return count
+
+    name = r"layers\.0\.mlp\.down_proj" if corruption == "stale" else r"model\.embed_tokens\.weight"
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        pytest.raises(WeightSyncError, match=rf"{name}.*do not hold what"),
+    ):
+        mp.setattr(VLLMEngine, "load_weights", hooked)
+        run_args(_args(tiny, tmp_path / "run", "trainer.lr=1e-6", "trainer.steps=3"))
+    assert len(pushes) == 2

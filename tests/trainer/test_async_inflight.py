@@ -49,9 +49,9 @@ def test_inflight_recompute_run_has_mixed_rows_within_the_staleness_bound(tiny12
     batches, real_produce, real_send, sends = [], AsyncRollouts.produce, client.send_weights, []
     real_probe_tokens, probes = client.probe_tokens, []
 
-    def spy_probe_tokens():
+    def spy_probe_tokens(*args, **kwargs):
         probes.append(1)
-        return real_probe_tokens()
+        return real_probe_tokens(*args, **kwargs)
 
     def spy_produce(self, step, timers):
         sb = real_produce(self, step, timers)

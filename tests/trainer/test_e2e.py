@@ -219,20 +219,24 @@ def test_broken_weight_push_is_a_loud_error(tiny, tmp_path, monkeypatch, mismatc
 @pytest.mark.parametrize("broken", ["nothing", "one_tensor"])
 def test_every_push_is_verified_at_the_defaults(tiny, tmp_path, monkeypatch, broken):
     """The recipe's learning rate and the default threshold: a push that delivered nothing, or one tensor
-    wrong, is caught by the per-tensor sha256 check right after that push, naming the tensor."""
+    wrong (changed between the learner's stream, where it is digested, and the engine), is caught by the
+    per-tensor digest check right after that push, naming the tensor."""
     import rlkit.rollout.local
     from rlkit.trainer import WeightSyncError
-    from rlkit.weights import Export, push_weights
+    from rlkit.weights import push_weights
+
+    class Corrupting:  # the engine, with one tensor changed on its way in
+        def __init__(self, engine):
+            self.engine = engine
+
+        def load_weights(self, named, *, manifest=None):
+            stream = ((n, t + 1.0 if n == "model.norm.weight" else t) for n, t in named)
+            return self.engine.load_weights(stream, manifest=manifest)
 
     def faulty(export, engine, **kw):
         if broken == "nothing":
             return {"bytes": 0, "seconds": 0.0}
-
-        def stream():
-            for name, tensor in export.tensors():
-                yield name, (tensor + 1.0 if name == "model.norm.weight" else tensor)
-
-        return push_weights(Export(export.manifest, stream), engine, **kw)
+        return push_weights(export, Corrupting(engine), **kw)
 
     monkeypatch.setattr(rlkit.rollout.local, "push_weights", faulty)
     args = [o for o in overrides(tiny, tmp_path / "w") if not o.startswith("trainer.lr")]  # the recipe's lr

@@ -21,9 +21,10 @@ from torch import Tensor
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from rlkit.batch import RolloutBatch
+from rlkit.digests import tensor_digest, to_host
 from rlkit.models import load_causal_lm, load_tokenizer, stateful_layers
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
-from rlkit.weights import PushGuard, check_manifest, digest, module_manifest
+from rlkit.weights import PushGuard, check_manifest, module_manifest
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class HFEngine:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self.platform = self.device.type
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(self.device).manual_seed(seed)
         if tokenizer.pad_token_id is None:
@@ -242,10 +244,14 @@ class HFEngine:
         return next(self.model.parameters()).dtype
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
-        """sha256 of each tensor of the push manifest (of `names` only, unless None) as this engine holds it
-        (rlkit.weights.verify_push)."""
+        """The digest (rlkit.digests, on the engine's device) of each tensor of the push manifest (of `names` only,
+        unless None) as this engine holds it (rlkit.weights.check_engine)."""
         params = self.model.state_dict()
-        return {name: digest(params[name]) for name in self.manifest if names is None or name in names}
+        return to_host({n: tensor_digest(params[n]) for n in self.manifest if names is None or n in names})
+
+    def expected_digests(self) -> None:
+        """None: this engine holds the checkpoint's layout, so it must hold exactly what the learner pushed."""
+        return None
 
     def digest_sources(self) -> None:
         """None: this engine holds the checkpoint's layout, so a push is checked tensor for tensor."""

@@ -204,6 +204,7 @@ class VLLMEngine:
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
             self._push_guard = PushGuard(self.name)
             self.on_cpu = on_cpu
+            self.platform = current_platform.device_type  # the probe's bound depends on it (rlkit.weights)
             self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
 
             directory, gguf_file = resolve_model(model_path)
@@ -365,12 +366,16 @@ class VLLMEngine:
             self._weights_awake = True
 
         def in_checkpoint_format(stream):
-            return self._book.checkpoint_stream(self.llm, ((vllm_weight_name(n), t) for n, t in stream))
+            received = self._book.received_stream(
+                stream, self.dtype
+            )  # digested as it arrives (the content check)
+            return self._book.checkpoint_stream(self.llm, ((vllm_weight_name(n), t) for n, t in received))
 
         def copy(stream):
             try:
                 reports = self.llm.collective_rpc(
-                    worker_reload, kwargs={"weights": in_checkpoint_format(stream)}
+                    worker_reload,
+                    kwargs={"weights": in_checkpoint_format(stream), "layouts": self._book.layouts},
                 )
             except BaseException:
                 # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
@@ -431,15 +436,23 @@ class VLLMEngine:
         return self.dtype
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
-        """sha256 of every tensor of vLLM's model whose bytes a push determines, as held (stacked, repacked on
-        CPU), of `names` only unless None: all its parameters and persistent buffers but those a layer's
-        processing emptied (vllm_push.PushBook)."""
+        """The digests (rlkit.digests) of vLLM's tensors as held (stacked; a repacked CPU linear read back from its
+        kernel), of `names` only unless None (vllm_push.PushBook.digests)."""
         return self._book.digests(self.llm, names)
 
+    def expected_digests(self) -> dict[str, str]:
+        """{vLLM tensor: digest of what the last push's loaders wrote into it} (empty before the first push), for
+        the content check (rlkit.weights.check_engine)."""
+        return self._book.expected()
+
+    def received_digests(self) -> dict[str, str] | None:
+        """{learner name: digest} of what the last push brought, as `load_weights` received it; None before one."""
+        return self._book.received
+
     def digest_sources(self) -> dict[str, list[str]]:
-        """{vLLM tensor: the pushed (learner) tensors it is built from}, for the tensors `weight_digests` hashes,
-        as the pushes so far recorded them at vLLM's own weight loaders (empty before the first push): a push
-        is checked by change (rlkit.weights.check_engine)."""
+        """{vLLM tensor: the pushed (learner) tensors it is built from}, as the pushes so far recorded them at
+        vLLM's own weight loaders (empty before the first push): the tensors the content check cannot read are
+        checked by change (rlkit.weights.check_engine)."""
         return self._book.sources(self.llm)
 
     def close(self) -> None:

@@ -6,9 +6,10 @@ reported, and which of vLLM's tensors the push check reads.
   vLLM's model has that module (on CPU the head is a separately processed layer; Gemma 2 has none).
 - The reload (`vllm_reload.worker_reload`) reports the layers it left stale: a `WeightSyncError` naming them;
   and which engine tensors each pushed tensor wrote: with `checkpoint_origins`, the push check's sources.
-- Digests: every parameter and persistent buffer of vLLM's model whose bytes a push determines, i.e. all but
-  the tensors a layer's processing emptied (vLLM's CPU backend keeps a repacked linear's weight in its
-  kernel's format elsewhere: the log-prob probe covers those).
+- Digests (rlkit.digests, on the engine's device): what each push received, tensor by tensor in the learner's
+  names; what vLLM's loaders wrote into each of its tensors and what that tensor holds after the push, a
+  repacked linear read back from its kernel (vllm_content); and, for the tensors that check cannot read (values
+  changed by processing, as the CPU expert prepack), the whole tensor as held, for the check by change.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 
+from rlkit.digests import tensor_digest, to_host
 from rlkit.rollout.engines.checkpoint_format import checkpoint_origins, to_checkpoint
-from rlkit.rollout.engines.vllm_reload import worker_digests, worker_module_names, worker_tensors
+from rlkit.rollout.engines.vllm_content import Layouts, expected_digests
+from rlkit.rollout.engines.vllm_reload import (
+    worker_digests,
+    worker_held_digests,
+    worker_module_names,
+    worker_tensors,
+)
 from rlkit.weights import WeightSyncError, engine_sources
 
 
@@ -32,6 +40,10 @@ class PushBook:
             for alias in names:
                 self.origins[alias] = [name]
         self.loads: dict[str, list[str]] = {}
+        self.layouts = Layouts()  # the content check's maps and this push's expected digests
+        self.received: dict[str, str] | None = (
+            None  # {learner name: digest} of the last push; None before one
+        )
         self._modules: set[str] | None = None
         self._held: list[str] | None = None
 
@@ -46,6 +58,17 @@ class PushBook:
             yield name, tensor
             for alias in aliases.get(name, ()):
                 yield alias, tensor
+
+    def received_stream(self, named: Iterable[tuple[str, Tensor]], dtype) -> Iterator[tuple[str, Tensor]]:
+        """`named` as it is, digesting each tensor in the engine's `dtype` (what it holds) as it arrives
+        (`received`, set when the stream ends)."""
+        self.received, seen = {}, {}
+        for name, tensor in named:
+            tensor = tensor.to(dtype)
+            seen[name] = tensor_digest(tensor)
+            self.layouts.seen[id(tensor)] = (tensor, seen[name])  # a loader given this very tensor reuses it
+            yield name, tensor
+        self.received = to_host(seen)
 
     def record(self, report: dict) -> None:
         """Keep what the reload's loaders wrote; raise naming the layers it left stale."""
@@ -73,12 +96,22 @@ class PushBook:
         return self._held
 
     def digests(self, llm, names=None) -> dict[str, str]:
-        """sha256 of every tensor of vLLM's model a push determines (of `names` only, unless None)."""
-        wanted = [n for n in self.held(llm) if names is None or n in names]
+        """The digests of what vLLM holds (of `names` only, unless None): each tensor the content check reads,
+        at the positions a push writes (and `#kernel`: read back from its packed kernel); every other tensor a
+        push determines, whole (for the check by change)."""
+        content = set(self.layouts.targets()) if self.layouts.mapped else set()
+        wanted = [n for n in self.held(llm) if n not in content and (names is None or n in names)]
         out = {}
         for worker in llm.collective_rpc(worker_digests, kwargs={"names": wanted}):
             out.update(worker)
+        if content:
+            for worker in llm.collective_rpc(worker_held_digests, kwargs={"layouts": self.layouts}):
+                out.update({n: d for n, d in worker.items() if names is None or n.split("#")[0] in names})
         return out
+
+    def expected(self) -> dict[str, str]:
+        """{vLLM tensor: the digest of what the last push's loaders wrote into it}, for the content check."""
+        return expected_digests(self.layouts) if self.layouts.mapped else {}
 
     def sources(self, llm) -> dict[str, list[str]]:
         """{vLLM tensor hashed: the learner tensors it is built from}, as the pushes so far recorded them."""

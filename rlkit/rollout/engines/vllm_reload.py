@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import functools
 
+from rlkit.digests import tensor_digest, to_host
+from rlkit.rollout.engines.vllm_content import Layouts, finish_map, held_digests, on_load, watch_processing
+
 
 def _tensors(layer) -> dict:
     params = {n: p for n, p in layer._parameters.items() if p is not None}
@@ -35,9 +38,10 @@ def _tensors(layer) -> dict:
 
 
 # The push being recorded: {"loads": {checkpoint name: engine tensors}, "current": the checkpoint name being
-# loaded}. Module level because a recorder stays installed: vLLM keeps a layer's checkpoint-layout tensors (and
-# the loaders set on them) from one reload to the next, and wraps a loader only once.
-_RECORDING: dict = {"loads": None, "current": None}
+# loaded, "layouts": the content check's book (vllm_content.Layouts)}. Module level because a recorder stays
+# installed: vLLM keeps a layer's checkpoint-layout tensors (and the loaders set on them) from one reload to the
+# next, and wraps a loader only once.
+_RECORDING: dict = {"loads": None, "current": None, "layouts": None}
 
 
 def _record_loads(model) -> None:
@@ -55,6 +59,8 @@ def _record_loads(model) -> None:
             def recorder(*args, _loader=loader, _target=target, **kwargs):
                 if _RECORDING["loads"] is not None and _RECORDING["current"] is not None:
                     _RECORDING["loads"].setdefault(_RECORDING["current"], set()).add(_target)
+                    if _RECORDING["layouts"] is not None:
+                        on_load(_RECORDING["layouts"], _RECORDING["current"], _target, _loader, args, kwargs)
                 return _loader(*args, **kwargs)
 
             recorder.rlkit_recorder = True
@@ -163,8 +169,9 @@ def _redo_cpu_expert_prepack(model, touched: set[str]) -> list[str]:
     return done
 
 
-def worker_reload(worker, weights) -> dict:
+def worker_reload(worker, weights, layouts: Layouts | None = None) -> dict:
     """Runs in the worker: reload `weights` (checkpoint names and layouts) in place; see the module docstring.
+    With `layouts`, what each loader receives is digested there (rlkit/rollout/engines/vllm_content.py).
 
     Inside `set_current_vllm_config(worker.vllm_config)`, as vLLM's own `Worker.reload_weights` runs it: the
     layers' weight loaders and post-load processing (quantised methods, custom ops) read the current config, and
@@ -172,10 +179,10 @@ def worker_reload(worker, weights) -> dict:
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config):
-        return _reload(worker, weights)
+        return _reload(worker, weights, layouts)
 
 
-def _reload(worker, weights) -> dict:
+def _reload(worker, weights, layouts: Layouts | None) -> dict:
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -187,17 +194,30 @@ def _reload(worker, weights) -> dict:
     unrecorded: list = []
     initialize_layerwise_reload(model)
     _record_loads(model)
-    _RECORDING.update(loads=loads, current=None)
+    if layouts is not None:
+        layouts.begin()
+        watch_processing(model, layouts, _RECORDING)
+    _RECORDING.update(loads=loads, current=None, layouts=layouts)
     try:
-        model.load_weights(_tracked(weights, unrecorded))
+        try:
+            model.load_weights(_tracked(weights, unrecorded))
+        finally:
+            _RECORDING.update(loads=None, current=None)
+        missed, partial = _unloaded(model)
+        finalize_layerwise_reload(model, worker.model_config)  # (layers processed late are still watched)
     finally:
-        _RECORDING.update(loads=None, current=None)
-    missed, partial = _unloaded(model)
-    finalize_layerwise_reload(model, worker.model_config)
+        _RECORDING.update(layouts=None)
+        if layouts is not None:
+            layouts.end()
     if missed and unrecorded:
         missed = _load_directly(model, missed, unrecorded, loads)
     touched = set().union(*loads.values()) if loads else set()
     prepacked = _redo_cpu_expert_prepack(model, touched)
+    if layouts is not None:
+        # The expert prepack changes values after loading: those tensors are checked by change.
+        layouts.skipped |= {t for t in layouts.shapes if any(t.startswith(f"{p}.") for p in prepacked)}
+        if not layouts.mapped and not missed and not partial:
+            finish_map(model, layouts)
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         if hasattr(runner, reset):
             getattr(runner, reset)()
@@ -231,14 +251,18 @@ def worker_tensors(worker) -> dict[str, int]:
 
 
 def worker_digests(worker, names) -> dict[str, str]:
-    """Runs in the worker: sha256 of the named parameters and persistent buffers of its model."""
-    from rlkit.weights import digest
-
+    """Runs in the worker: the digests (rlkit.digests) of the named parameters and persistent buffers of its
+    model, whole tensors as held."""
     model = worker.model_runner.get_model()
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(
         model.named_buffers(remove_duplicate=False)
     )
-    return {n: digest(tensors[n]) for n in names}
+    return to_host({n: tensor_digest(tensors[n]) for n in names})
+
+
+def worker_held_digests(worker, layouts: Layouts) -> dict[str, str]:
+    """Runs in the worker: the content check's held digests (vllm_content.held_digests)."""
+    return held_digests(worker.model_runner.get_model(), layouts)
 
 
 def worker_module_names(worker) -> list[str]:

@@ -312,13 +312,14 @@ class AsyncRollouts:
                 self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
             raise
         # The learner's side of the log-prob probe (every rank: FSDP2 gathers), checked by each worker
-        probe = None
+        probe = tokens = None
         if self.cfg.rollout.verify_push and export.probe is not None and self._probed():
-            probe = export.probe(probe_tokens())
+            tokens = probe_tokens(export.probe_vocab)
+            probe = export.probe(tokens)
         if digests is not None:  # each worker checks its engine against what was sent
             dtype = str(export.probe_dtype).removeprefix("torch.")
             for q in self.ctrl:
-                q.put(dumps(Digests(version, digests, probe, dtype)))
+                q.put(dumps(Digests(version, digests, probe, dtype, tokens)))
         return stats
 
     def _probed(self) -> bool:

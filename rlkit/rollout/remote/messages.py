@@ -59,7 +59,7 @@ class Grant:
 
 @dataclasses.dataclass(frozen=True)
 class Digests:
-    """The sha256 of every tensor of push `version` as the learner sent it: check the engine against them
+    """The digest (rlkit.digests) of every tensor of push `version` as the learner sent it: check the engine against them
     (`rollout.verify_push`; sent right after the push's broadcast)."""
 
     version: int
@@ -68,6 +68,8 @@ class Digests:
     """The learner's log-probs on the probe's fixed tokens (rlkit.weights.probe_tokens), or None."""
     probe_dtype: str = "float32"
     """The dtype the learner computed `probe` in (its bound: rlkit.weights.probe_bound)."""
+    probe_tokens: torch.Tensor | None = None
+    """The fixed tokens `probe` was computed on (rlkit.weights.probe_tokens over the learner's probe_vocab)."""
 
 
 @dataclasses.dataclass(frozen=True)
