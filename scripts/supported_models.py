@@ -40,7 +40,7 @@ it). On CUDA vLLM compiles the model by default, and the families it runs throug
 (OLMo 2/3, SmolLM3, Starcoder2, GPT-NeoX, Phi-2, GLM) then need the transformers classes it decorates in the
 engine's process: colocated (`trainer.mode=sync`) such an engine is refused before it is built, naming the ways
 out (`rollout.engine_kwargs.enforce_eager=true`, or `trainer.mode=async`, whose workers build it compiled in
-their own process: `rlkit/rollout/engines/vllm_classes.py`, `tests/rollout/test_vllm_gpu_paths.py`). The
+their own process: `rlkit/rollout/engines/vllm/classes.py`, `tests/rollout/test_vllm_gpu_paths.py`). The
 log-prob gaps of the table are CPU ones; on a GPU the start-up probe measures its own.
 
 Mixture-of-experts models train without the router's auxiliary (load-balancing) loss: rlkit's loss is built

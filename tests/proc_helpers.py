@@ -5,7 +5,7 @@ import signal
 import time
 from pathlib import Path
 
-from rlkit.rewards.containment import STALE, ProcessCap
+from rlkit.sandbox.containment import STALE, ProcessCap
 
 
 def alive(pid: int) -> bool:

@@ -11,10 +11,10 @@ and a call that spins on the CPU cannot hold the trainer's GIL. Any other enviro
 trainer, which holds torch threads and maybe CUDA), catch and drop SIGINT / SIGTERM (the trainer's to
 handle; what they start gets default dispositions), die with the fork server (PR_SET_PDEATHSIG), which
 ignores SIGTERM too and exits with the trainer, and are closed at the end of the batch, their process groups
-killed. Their process groups and cgroups are held by the trainer's reaper (rlkit/rewards/reaper.py), which
+killed. Their process groups and cgroups are held by the trainer's reaper (rlkit/sandbox/reaper.py), which
 kills them if the trainer dies first.
 
-Containment (`Limits`, rlkit/rewards/containment.py): each worker leads its own session, has
+Containment (`Limits`, rlkit/sandbox/containment.py): each worker leads its own session, has
 oom_score_adj 1000 and a memory cap (`env.memory_limit_mb`, RLIMIT_DATA: an allocation over it is a
 MemoryError that fails the episode with its reason); the batch's workers and all they start are capped at
 `env.max_processes` (a pids cgroup, else a count in /proc every `POLL_S`); each worker's stdout and stderr,
@@ -39,7 +39,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
-from rlkit.rewards.containment import (
+from rlkit.rewards.functions import describe
+from rlkit.sandbox.containment import (
     ProcessCap,
     bound_output,
     default_signals_for_children,
@@ -47,9 +48,8 @@ from rlkit.rewards.containment import (
     limit_this_worker,
     over_shared_memory,
 )
-from rlkit.rewards.functions import describe
-from rlkit.rewards.reaper import REAPER
-from rlkit.rewards.scorer import die_with_parent, exit_reason, read_reply, serve_requests
+from rlkit.sandbox.protocol import die_with_parent, exit_reason, read_reply, serve_requests
+from rlkit.sandbox.reaper import REAPER
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ starts may write to stdout / stderr in a batch; the rest is dropped, with one li
 
 @dataclass(frozen=True)
 class Limits:
-    """What contains a batch's environment workers (rlkit/rewards/containment.py): each process's memory
+    """What contains a batch's environment workers (rlkit/sandbox/containment.py): each process's memory
     cap (MiB, RLIMIT_DATA), the batch's process cap, the output cap per worker. None = no cap."""
 
     memory_limit_mb: int | None = 8192

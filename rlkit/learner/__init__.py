@@ -1,7 +1,7 @@
 """The learner: strategy (accelerate: FSDP2 / DDP / none), batching (micro-batches, packing), log-probs
 (chunked head), loss assembly, optimizer step, LoRA, the distillation teacher and checkpoint I/O; learner.py is the facade.
 It takes per-token tensors and knows no groups or rewards: a step's scoring, advantages and rollout correction,
-from a scored batch to the TrainBatch, are rlkit/step.py's.
+from a scored batch to the TrainBatch, are rlkit/learn.py's.
 
 It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the weights leave as an
 `rlkit.weights.Export`.

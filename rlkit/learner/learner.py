@@ -1,6 +1,6 @@
 """The learner: the policy (and reference, teacher, critic), its forward passes, the update, the export.
 
-It takes per-token tensors and knows no groups or rewards (those are rlkit/step.py's). Batching, the loss,
+It takes per-token tensors and knows no groups or rewards (those are rlkit/learn.py's). Batching, the loss,
 the optimizer, LoRA and checkpoint I/O are this package's other modules; this one holds the models and
 calls them.
 

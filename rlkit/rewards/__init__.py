@@ -1,5 +1,5 @@
 """Rewards: the function contract and built-ins (functions.py), their safe execution in worker processes
-(scorer.py), and neural reward models (model.py, imported on demand: it loads torch).
+(scorer.py, through the process sandbox of rlkit/sandbox/), and neural reward models (model.py, imported on demand: it loads torch).
 
     from rlkit.rewards import answer_with, batched, correct_when   # decorators for your own reward functions
 """

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlkit import gcpolicy
-from rlkit.rewards.containment import (
+from rlkit.rewards.functions import call_reward, is_batched, is_correct, resolve
+from rlkit.sandbox.containment import (
     ProcessCap,
     cgroup_members,
     default_signals_for_children,
@@ -28,8 +29,8 @@ from rlkit.rewards.containment import (
     kill_group,
     limit_this_worker,
 )
-from rlkit.rewards.functions import call_reward, is_batched, is_correct, resolve
-from rlkit.rewards.reaper import REAPER
+from rlkit.sandbox.protocol import die_with_parent, exit_reason, read_reply, serve_requests
+from rlkit.sandbox.reaper import REAPER
 
 log = logging.getLogger(__name__)
 
@@ -47,34 +48,6 @@ def _init_worker(imports: tuple[str, ...]) -> None:
             importlib.import_module(module)
 
 
-def die_with_parent(parent_pid: int, *, started_by_main_thread: bool = True) -> None:
-    """Linux: the kernel SIGKILLs this process when its parent dies, so no worker outlives the trainer.
-
-    PR_SET_PDEATHSIG fires when the *thread* that started this process exits, not the process. A worker
-    started from another thread (a user's thread pool scoring with a RewardScorer) would die with that
-    thread while the trainer lives on, so it watches its parent's pid instead (every 0.5 s)."""
-    import ctypes
-    import os
-    import signal
-
-    if not started_by_main_thread:
-        import threading
-
-        def watch() -> None:
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True, name="rlkit-parent-watch").start()
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: an idle worker still exits when its pipe closes (EOF)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _worker_main(
     conn, parent_pid: int, started_by_main_thread: bool = True, memory_limit_mb: int | None = None,
     cgroup: str | None = None, imports: tuple[str, ...] = (),
@@ -85,57 +58,13 @@ def _worker_main(
     Slurm, systemd) is the trainer's to handle; the trainer finishes its step with intact rewards and then
     kills its workers (what a function starts gets default dispositions). It exits when the trainer closes
     the pipe and is killed by the kernel when the trainer dies. It leads its own process group, joins its
-    pids cgroup, is the OOM killer's first choice and has a memory cap (rlkit/rewards/containment.py).
+    pids cgroup, is the OOM killer's first choice and has a memory cap (rlkit/sandbox/containment.py).
     """
     default_signals_for_children()
     die_with_parent(parent_pid, started_by_main_thread=started_by_main_thread)
     limit_this_worker(memory_limit_mb, cgroup)
     _init_worker(imports)
     serve_requests(conn, lambda task: call_reward(*task))
-
-
-def read_reply(conn):
-    """A worker's next message, or None when it is dead (its sentinel fired or its pipe broke)."""
-    try:
-        return conn.recv() if conn.poll() else None
-    except (EOFError, OSError):
-        return None
-
-
-def serve_requests(conn, handle) -> None:
-    """A worker process's loop (reward and environment workers): say "ready", then answer each request on
-    `conn` with `handle(request)` until a None request or the pipe closes. A process the handler forked
-    (os.fork in an environment) that returns here exits at once: only the worker answers on its pipe."""
-    import os
-
-    me = os.getpid()
-    conn.send("ready")
-    while True:
-        try:
-            request = conn.recv()
-        except (EOFError, OSError):
-            return
-        if request is None:
-            return
-        reply = handle(request)
-        if os.getpid() != me:
-            os._exit(0)
-        conn.send(reply)
-
-
-def exit_reason(code: int | None) -> str:
-    """A dead worker's exit code in words: `exit code 7`, or the signal that killed it (SIGKILL: the
-    kernel's OOM killer, a cgroup limit or a kill -9)."""
-    import signal
-
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (the OOM killer, or kill -9)" if -code == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exit code {code}"
 
 
 class _Worker:

@@ -1,5 +1,5 @@
 """docs/concepts/step-in-40-lines.md: its code runs on a tiny model, and on the batch `Trainer` produced at its
-first step its loss and gradient equal those of rlkit's learner (phases 3-6 of rlkit/step.py, without the
+first step its loss and gradient equal those of rlkit's learner (phases 3-6 of rlkit/learn.py, without the
 optimizer step)."""
 
 import dataclasses
@@ -91,7 +91,7 @@ def test_the_pages_loss_and_gradient_equal_the_trainers_first_step(tiny, tmp_pat
         produced = dataclasses.replace(produced, rewards=rewards)
 
         # rlkit: phases 3-5 as the step runs them, then the update's gradient without its optimizer step.
-        phases, learner = trainer.phases, trainer.learner
+        phases, learner = trainer.learn, trainer.learner
         mask, merger = rb.response_mask.bool(), MetricMerger()
         scores = phases.score(rb, mask, merger)
         prepared = phases.correct(

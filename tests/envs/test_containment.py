@@ -1,4 +1,4 @@
-"""An environment or a reward function cannot take the trainer down with it (rlkit/rewards/containment.py,
+"""An environment or a reward function cannot take the trainer down with it (rlkit/sandbox/containment.py,
 rlkit/envs/workers.py, rlkit/rewards/scorer.py): memory, the processes it starts, a fork loop, its
 constructor, its output and what it returns all stay inside its worker and fail only its own episode.
 
@@ -21,9 +21,10 @@ from rlkit.config.schema import ConfigError, RLConfig
 from rlkit.envs import check_config
 from rlkit.envs.base import check_step
 from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits
-from rlkit.rewards import RewardScorer, containment
-from rlkit.rewards.containment import ProcessCap
+from rlkit.rewards import RewardScorer
 from rlkit.rewards.functions import call_reward, reward_number
+from rlkit.sandbox import containment
+from rlkit.sandbox.containment import ProcessCap
 
 pytestmark = pytest.mark.slow  # worker processes and a trainer run: `make test-fast` leaves it out
 

@@ -1,6 +1,6 @@
 """Shared anonymous memory (mmap(-1, n)), which RLIMIT_DATA does not count, is held to env.memory_limit_mb
 too: the batch's processes are read a few times a second and a worker over the cap is killed, its episode
-failing with the reason (rlkit/rewards/containment.py over_shared_memory)."""
+failing with the reason (rlkit/sandbox/containment.py over_shared_memory)."""
 
 import pytest
 

@@ -2,11 +2,11 @@
 rlkit/ (nothing is imported).
 
     0 leaves     batch, algos, config/schema, config/derived, config/reference, weights, digests, rundir,
-                 collectives, timing, metrics, logging, plots, models, lookup, flops, gcpolicy
+                 collectives, timing, metrics, logging, plots, models, lookup, flops, gcpolicy, sandbox
     1 inputs     config/rules, data, rewards, envs
     2 machines   learner/, rollout/engines/
     3 rollout    rollout/ (protocol, episodes, producer, local, scored, remote/)
-    4 loop       step, sync, trainer (trainer -> step, sync sideways)
+    4 loop       learn, sync, trainer (trainer -> learn, sync sideways)
     5 entry      train, eval, sft
 
 An import points to the same or a lower layer; there is no circle; learner/ and rollout/ never import each
@@ -50,7 +50,7 @@ HEAVY = {
 def layer(module: str) -> int:
     if module in ("rlkit.train", "rlkit.eval", "rlkit.sft"):
         return 5
-    if module in ("rlkit.trainer", "rlkit.step", "rlkit.sync"):
+    if module in ("rlkit.trainer", "rlkit.learn", "rlkit.sync"):
         return 4
     if module.startswith(("rlkit.learner", "rlkit.rollout.engines")):
         return 2
@@ -58,7 +58,7 @@ def layer(module: str) -> int:
         return 3
     if module == "rlkit.config.rules" or module.startswith(("rlkit.data", "rlkit.rewards", "rlkit.envs")):
         return 1
-    if module in LEAVES or module.startswith("rlkit.algos."):
+    if module in LEAVES or module.startswith(("rlkit.algos.", "rlkit.sandbox")):
         return 0
     raise AssertionError(
         f"{module} has no layer: add it to the table of docs/concepts/training-step.md and of this test"

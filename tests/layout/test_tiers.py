@@ -110,6 +110,6 @@ def test_the_scan_finds_an_unmarked_start(tmp_path):
 
 def test_the_unit_tests_of_every_folder_are_in_the_fast_tier():
     """The recorder tests of the loop (tests/trainer/test_sync.py, test_step.py) carry no slow marker."""
-    for rel in ("trainer/test_sync.py", "trainer/test_step.py"):
+    for rel in ("trainer/test_sync.py", "trainer/test_learn.py"):
         tree = ast.parse((TESTS / rel).read_text())
         assert not _module_marker(tree, "slow"), rel

@@ -8,7 +8,7 @@ import torch
 from model_families import FAMILIES, family_config
 from safetensors.torch import load_file
 
-from rlkit.rollout.engines.checkpoint_format import checkpoint_origins, to_checkpoint
+from rlkit.rollout.engines.vllm.checkpoint_format import checkpoint_origins, to_checkpoint
 from rlkit.weights import exported, iter_full_parameters
 
 CONVERTED = ["qwen3-moe", "mixtral", "deepseek-v2", "deepseek-v3"]

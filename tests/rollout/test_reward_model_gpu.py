@@ -72,7 +72,7 @@ def _async_cfg(tiny) -> RLConfig:
 
 
 def test_a_worker_on_a_gpu_builds_its_engine_with_the_planned_share(monkeypatch, tiny):
-    from rlkit.rollout.engines import vllm_platform
+    from rlkit.rollout.engines.vllm import platform as vllm_platform
     from rlkit.rollout.remote import worker
 
     made = []
@@ -94,7 +94,7 @@ def test_a_worker_on_a_gpu_builds_its_engine_with_the_planned_share(monkeypatch,
 
 
 def test_the_preflight_refuses_a_reward_model_that_does_not_fit_a_workers_gpu(monkeypatch, tiny):
-    from rlkit.rollout.engines import vllm_platform
+    from rlkit.rollout.engines.vllm import platform as vllm_platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

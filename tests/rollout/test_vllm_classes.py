@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored
+from rlkit.rollout.engines.vllm.classes import TransformersClassesRestored
 
 
 class Compiled:

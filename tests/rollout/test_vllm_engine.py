@@ -345,7 +345,7 @@ def test_building_the_engine_leaves_the_training_process_alone(case, tmp_path, m
     assert engine.llm is not None
     # RANK, WORLD_SIZE, MASTER_*, LD_PRELOAD restored once the engine is built; what vLLM reads again later
     # (its VLLM_* settings, TORCHINDUCTOR_CACHE_DIR, ...) may stay (tests/rollout/test_vllm_gpu_paths.py)
-    from rlkit.rollout.engines.vllm_platform import RESTORED_ENV
+    from rlkit.rollout.engines.vllm.platform import RESTORED_ENV
 
     assert {k: after.get(k) for k in RESTORED_ENV} == {k: before.get(k) for k in RESTORED_ENV}
     assert "libgomp" not in os.environ.get("LD_PRELOAD", "")
@@ -412,7 +412,7 @@ def _push_loggers_live():
     so that the records the quiet push must hold back are really emitted."""
     import logging
 
-    from rlkit.rollout.engines.vllm_logs import PUSH_LOGGERS
+    from rlkit.rollout.engines.vllm.logs import PUSH_LOGGERS
 
     loggers = [logging.getLogger(name) for name in PUSH_LOGGERS]
     saved = [(lg.disabled, lg.level) for lg in loggers]
@@ -451,7 +451,7 @@ def test_a_push_logs_no_warning_and_one_debug_line(case, capfd, caplog):
 def test_quiet_push_logs_keeps_real_warnings_and_errors():
     import logging
 
-    from rlkit.rollout.engines.vllm_logs import PUSH_LOGGERS, quiet_push_logs
+    from rlkit.rollout.engines.vllm.logs import PUSH_LOGGERS, quiet_push_logs
 
     seen = []
     handler = logging.Handler()

@@ -52,7 +52,7 @@ def test_each_sleep_level_runs_in_a_process_of_its_own(monkeypatch):
     """Issue 61 item 6: the GPU test builds no engine in pytest's process (two sleep-mode engines in one process
     trip vLLM's one-CuMem-instance assertion); each level is one subprocess."""
     import_vllm()
-    from rlkit.rollout.engines import vllm as vllm_engine
+    from rlkit.rollout.engines.vllm import engine as vllm_engine
 
     def no_engine_here(*args, **kwargs):
         raise AssertionError("a vLLM engine built in the test's own process")

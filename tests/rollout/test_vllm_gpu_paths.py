@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rlkit.rollout.engines import make_engine
-from rlkit.rollout.engines import vllm as vllm_engine
+from rlkit.rollout.engines.vllm import engine as vllm_engine
 
 pytest.importorskip("vllm")
 
@@ -243,7 +243,7 @@ def test_a_colocated_eager_transformers_backend_model_builds_with_its_class_rest
 
 
 def test_which_models_vllm_runs_on_its_transformers_backend_and_which_settings_compile():
-    from rlkit.rollout.engines.vllm_classes import transformers_backend, will_compile
+    from rlkit.rollout.engines.vllm.classes import transformers_backend, will_compile
 
     for arch in ("Olmo2ForCausalLM", "GPTNeoXForCausalLM", "Starcoder2ForCausalLM", "PhiForCausalLM"):
         assert transformers_backend([arch]), arch
@@ -308,7 +308,7 @@ def test_worker_reload_runs_the_loaders_and_the_processing_in_vllms_config_conte
     from vllm.config import VllmConfig, get_current_vllm_config
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from rlkit.rollout.engines import vllm_reload
+    from rlkit.rollout.engines.vllm import reload as vllm_reload
 
     config, seen = VllmConfig(), []
 

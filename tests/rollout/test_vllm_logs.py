@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from rlkit.rollout.engines.vllm_logs import quiet_build_logs
+from rlkit.rollout.engines.vllm.logs import quiet_build_logs
 
 
 def _collect(name: str) -> tuple[logging.Logger, list[str]]:

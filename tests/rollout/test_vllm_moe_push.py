@@ -16,8 +16,9 @@ from vllm_import import import_vllm
 import_vllm()
 
 from rlkit.models import load_causal_lm  # noqa: E402
-from rlkit.rollout.engines import vllm_push, vllm_reload  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
+from rlkit.rollout.engines.vllm import push as vllm_push  # noqa: E402
+from rlkit.rollout.engines.vllm import reload as vllm_reload  # noqa: E402
 from rlkit.weights import (  # noqa: E402
     Export,
     WeightSyncError,

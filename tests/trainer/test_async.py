@@ -75,7 +75,7 @@ STALENESS_ONE = ("trainer.max_staleness=1", "trainer.steps=4", "trainer.reuse_up
 def _step_then_sigterm(real_step):
     def step_then_sigterm(self):
         metrics = real_step(self)
-        if self.step == 1:  # the step being finished is the second
+        if self.global_step == 1:  # the step being finished is the second
             os.kill(os.getpid(), signal.SIGTERM)
         return metrics
 

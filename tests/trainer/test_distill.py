@@ -9,9 +9,9 @@ from run_helpers import checkpoint_weights, one_and_two_processes, overrides, re
 
 from rlkit.algos import advantages as adv
 from rlkit.config.schema import ConfigError
+from rlkit.learn import Learn
 from rlkit.learner import Learner
 from rlkit.models import load_causal_lm, make_tiny_checkpoint
-from rlkit.step import StepPhases
 from rlkit.train import compose, load_config
 
 pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
@@ -43,7 +43,7 @@ def _hand_logprobs(model, rb) -> torch.Tensor:
 
 def _spy(monkeypatch):
     seen = {"produced": [], "batches": []}
-    learn, update = StepPhases.learn, Learner.update
+    learn, update = Learn.__call__, Learner.update
 
     def spy_learn(self, produced, *a, **k):
         seen["produced"].append(produced)
@@ -53,7 +53,7 @@ def _spy(monkeypatch):
         seen["batches"].append(batch)
         return update(self, batch)
 
-    monkeypatch.setattr(StepPhases, "learn", spy_learn)
+    monkeypatch.setattr(Learn, "__call__", spy_learn)
     monkeypatch.setattr(Learner, "update", spy_update)
     return seen
 

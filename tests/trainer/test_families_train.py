@@ -104,7 +104,7 @@ def test_a_push_that_drifts_stops_the_run_at_the_batch_it_samples(tmp_path, monk
     step's metrics exist only after its push)."""
     from vllm.platforms import current_platform
 
-    from rlkit.rollout.engines import vllm_reload
+    from rlkit.rollout.engines.vllm import reload as vllm_reload
 
     if not current_platform.is_cpu():
         pytest.skip("the expert prepack vLLM skips on a weight update is its CPU platform's")

@@ -264,7 +264,7 @@ def test_crash_right_after_a_checkpoint_loses_no_metrics_line(tiny, tmp_path, mo
 
     def save_then_crash(self):
         path = real_save(self)
-        if self.step == 1:
+        if self.global_step == 1:
             raise RuntimeError("killed right after the checkpoint (simulated)")
         return path
 
@@ -285,7 +285,7 @@ def test_crash_between_checkpoints_duplicates_no_metrics_line(tiny, tmp_path, mo
     real_step = Trainer.train_step
 
     def crash_in_step_4(self):
-        if self.step == 3:
+        if self.global_step == 3:
             raise RuntimeError("crash in step 4 (simulated)")
         return real_step(self)
 

@@ -1,7 +1,7 @@
 """A first run's console: the progress bar, the evaluations and real problems, each once. A short
 `+recipe=quickstart` on vLLM's CPU build (a tiny random model in the quickstart's place, so dynamic sampling
 falls short every step) prints no WARNING line but one: vLLM's start-up notices about choices rlkit made are
-kept back (rlkit/rollout/engines/vllm_logs.py; tests/rollout/test_vllm_logs.py holds the bf16 engine's
+kept back (rlkit/rollout/engines/vllm/logs.py; tests/rollout/test_vllm_logs.py holds the bf16 engine's
 per-tensor dtype notices), the push's routine lines too, and dynamic sampling's shortfall is a metric and one
 line of information, not a warning a step. The one: vLLM's CPU worker binds memory to a NUMA node through
 torch's C++ logger, which writes to stderr itself, out of reach of Python's logging."""

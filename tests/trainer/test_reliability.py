@@ -138,7 +138,7 @@ def test_a_checkpoint_is_never_written_from_nonfinite_weights(tiny, tmp_path, mo
 
     def poison_step_2(self):
         metrics = real_step(self)
-        if self.step == 1:  # the step that becomes step 2
+        if self.global_step == 1:  # the step that becomes step 2
             with torch.no_grad():
                 next(self.learner.model.parameters()).fill_(float("nan"))
         return metrics

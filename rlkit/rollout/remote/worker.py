@@ -20,7 +20,6 @@ import torch.distributed as dist
 from rlkit import gcpolicy
 from rlkit.config.rules import parse
 from rlkit.models import load_tokenizer
-from rlkit.rewards.scorer import die_with_parent
 from rlkit.rollout.engines import torch_dtype
 from rlkit.rollout.local import LocalRollouts, check_engine_probe
 from rlkit.rollout.remote.gpu_plan import engine_kwargs_beside_reward_model
@@ -38,6 +37,7 @@ from rlkit.rollout.remote.messages import (
     worker_error,
 )
 from rlkit.rollout.remote.wire import bridge
+from rlkit.sandbox.protocol import die_with_parent
 from rlkit.timing import Timers
 from rlkit.weights import check_engine, receive_weights
 
@@ -80,7 +80,7 @@ def join_world(r: int, R: int, device, timeout_s: float) -> None:
 
 def worker_rollouts(cfg, r: int, R: int, device) -> LocalRollouts:
     """Worker `r`'s rollouts. On a GPU the engine is not colocated with a learner: it has the GPU to itself
-    (its memory share and no sleep mode: rlkit.rollout.engines.vllm_memory.memory_plan), less what a reward
+    (its memory share and no sleep mode: rlkit.rollout.engines.vllm.memory.memory_plan), less what a reward
     model on the same GPU needs (gpu_plan.py)."""
     kwargs = engine_kwargs_beside_reward_model(cfg, device)
     if kwargs != dict(cfg.rollout.engine_kwargs or {}):

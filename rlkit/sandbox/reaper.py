@@ -1,7 +1,7 @@
 """The reaper: a small process that outlives the trainer long enough to kill what its workers started.
 
 Environment and reward workers lead their own process groups and sit in pids cgroups
-(rlkit/rewards/containment.py); killing those is the trainer's job at the end of a batch. A trainer that is
+(rlkit/sandbox/containment.py); killing those is the trainer's job at the end of a batch. A trainer that is
 SIGKILLed (the OOM killer, `kill -9`, a node drain) cannot do it: its workers die with it (PR_SET_PDEATHSIG),
 but a process a worker started, in its group or in a session of its own, would live on under init. So each
 process that holds such groups and cgroups starts one reaper (`REAPER`, on first use) and tells it what it

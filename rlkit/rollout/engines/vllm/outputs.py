@@ -1,6 +1,6 @@
 """vLLM's request outputs as a RolloutBatch: the sampled tokens, their log-probs and the policy version of each
 token (from vLLM 0.32's `weight_versions` spans). Plain Python over the outputs' attributes: no vllm import
-(rlkit/rollout/engines/vllm.py builds and drives the engine)."""
+(rlkit/rollout/engines/vllm/engine.py builds and drives the engine)."""
 
 from __future__ import annotations
 

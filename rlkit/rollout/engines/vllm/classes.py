@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from rlkit.rollout.engines.vllm_platform import hf_config
+from rlkit.rollout.engines.vllm.platform import hf_config
 
 REFUSAL = (
     "rollout.engine=vllm: vLLM runs this model ({arch}) through its Transformers backend and compiles it, which "
@@ -121,7 +121,7 @@ class TransformersClassesRestored:
 
 
 def colocated_refusal(model_path: str, engine_kwargs: dict) -> str | None:
-    """The start-up form of the build's refusal (vllm_classes.compiled_transformers_backend) for a colocated
+    """The start-up form of the build's refusal (vllm.classes.compiled_transformers_backend) for a colocated
     engine of `model_path` with `engine_kwargs`, before any model loads: None where it builds, or where the
     model's config cannot be read here (the build decides then)."""
     from vllm.platforms import current_platform

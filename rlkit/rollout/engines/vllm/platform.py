@@ -1,6 +1,6 @@
 """What building a vLLM engine needs from the training process and does to it: the launcher's variables for
 vLLM's external launcher, the side effects undone after construction, whether vLLM runs here at all (the
-platform, the CPU attention's head sizes), the model's config. Used by rlkit/rollout/engines/vllm.py."""
+platform, the CPU attention's head sizes), the model's config. Used by rlkit/rollout/engines/vllm/engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from rlkit.collectives import free_port
 from rlkit.models import resolve_model, stateful_layers
-from rlkit.rollout.engines.vllm_logs import quiet_build_logs
+from rlkit.rollout.engines.vllm.logs import quiet_build_logs
 
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

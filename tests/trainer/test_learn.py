@@ -1,7 +1,7 @@
-"""`rlkit.step.StepPhases` (the learn half of a step) with a recording stand-in for the learner: which rows
+"""`rlkit.learn.Learn` (the learn half of a step) with a recording stand-in for the learner: which rows
 phase 3 scores, the loss mask the update receives (zero-std groups, the overlong filter, stale tokens) and the
 advantages it trains on (the estimator's, plus distillation's term). Every expected value is worked out by
-hand below; no model, no process: the fast tier's view of rlkit/step.py, as test_sync.py is of rlkit/sync.py."""
+hand below; no model, no process: the fast tier's view of rlkit/learn.py, as test_sync.py is of rlkit/sync.py."""
 
 import math
 from types import SimpleNamespace
@@ -11,8 +11,8 @@ import torch
 
 from rlkit.batch import RolloutBatch, ScoredBatch
 from rlkit.config.schema import RLConfig
+from rlkit.learn import Learn
 from rlkit.learner.logprobs import LogProbs
-from rlkit.step import StepPhases
 from rlkit.timing import Timers
 
 # Four rows in two groups of two; row lengths 3, 2, 3, 1.
@@ -25,7 +25,7 @@ A = 0.5 / (math.sqrt(0.5) + 1e-6)
 
 
 class RecordingLearner:
-    """What StepPhases asks of a learner: its device, an unwrappable model, `forward` and `update`. Records
+    """What Learn asks of a learner: its device, an unwrappable model, `forward` and `update`. Records
     how many rows each forward scored and the TrainBatch (and reused-forward scores) each update received."""
 
     def __init__(self):
@@ -75,7 +75,7 @@ def produced(rewards, *, finish=("stop",) * 4, versions=None, policy_version=0) 
 
 def learn(c, batch, *, step=1):
     learner = RecordingLearner()
-    stats = StepPhases(c, learner, world=1).learn(batch, step, Timers())
+    stats = Learn(c, learner, world=1)(batch, step, Timers())
     assert len(learner.updates) == 1
     return learner, learner.updates[0][0], stats
 

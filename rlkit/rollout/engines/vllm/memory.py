@@ -1,5 +1,5 @@
 """How much of its GPU a vLLM engine takes, and whether it sleeps: colocated with a learner (sync mode) or on a
-GPU of its own (an async rollout worker). Pure: vLLM's own default comes from the caller (vllm.py reads it from
+GPU of its own (an async rollout worker). Pure: vLLM's own default comes from the caller (vllm/engine.py reads it from
 EngineArgs), so this module imports no vllm."""
 
 from __future__ import annotations

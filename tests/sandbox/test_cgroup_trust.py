@@ -1,4 +1,4 @@
-"""The process cap trusts only real cgroups (rlkit/rewards/containment.py, rlkit/rewards/reaper.py): it makes its
+"""The process cap trusts only real cgroups (rlkit/sandbox/containment.py, rlkit/sandbox/reaper.py): it makes its
 cgroups only on a mounted cgroup file system with the pids controller (never cgroup v1's /sys/fs/cgroup, a
 writable tmpfs), names them after its maker's pid namespace, pid and start time, says so when it cannot make
 one, and signals only pids read from a real cgroup. The mounts are faked here (reaper.MOUNTINFO,
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.rewards import containment, reaper
-from rlkit.rewards.containment import ProcessCap, sweep_stale_cgroups
-from rlkit.rewards.reaper import kill_cgroup, remove_cgroup
+from rlkit.sandbox import containment, reaper
+from rlkit.sandbox.containment import ProcessCap, sweep_stale_cgroups
+from rlkit.sandbox.reaper import kill_cgroup, remove_cgroup
 
 pytestmark = pytest.mark.slow  # starts processes in cgroups
 
@@ -63,7 +63,7 @@ def test_a_tmpfs_under_sys_fs_cgroup_is_never_a_cap_and_the_fallback_says_so(tmp
         "8:pids:/\n4:memory:/\n0::/\n",
     )
     assert containment._pids_cgroup_roots() == []
-    with caplog.at_level(logging.WARNING, logger="rlkit.rewards.containment"):
+    with caplog.at_level(logging.WARNING, logger="rlkit.sandbox.containment"):
         cap = ProcessCap(8)
         ProcessCap(8).close()  # a second cap: no second line
     try:

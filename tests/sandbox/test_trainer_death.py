@@ -1,5 +1,5 @@
 """Nothing an environment or a reward function starts outlives a trainer that is SIGKILLed
-(rlkit/rewards/reaper.py), and start-up removes the pids cgroups of trainers that are gone."""
+(rlkit/sandbox/reaper.py), and start-up removes the pids cgroups of trainers that are gone."""
 
 import os
 import signal
@@ -12,8 +12,8 @@ import pytest
 from proc_helpers import alive, cgroup_root, cgroups_of, kill_all, recorded, wait_dead, wait_for
 from run_helpers import FIXTURES
 
-from rlkit.rewards.containment import owner_tag, sweep_stale_cgroups
-from rlkit.rewards.reaper import remove_cgroup
+from rlkit.sandbox.containment import owner_tag, sweep_stale_cgroups
+from rlkit.sandbox.reaper import remove_cgroup
 
 TRAINER = """
 import sys

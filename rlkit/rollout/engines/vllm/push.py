@@ -4,7 +4,7 @@ reported, and which of vLLM's tensors the push check reads.
 - Names and layouts: the learner streams transformers' in-memory names; vLLM's loaders expect the
   checkpoint's (`checkpoint_format.to_checkpoint`). A tied output head is also pushed under its alias where
   vLLM's model has that module (on CPU the head is a separately processed layer; Gemma 2 has none).
-- The reload (`vllm_reload.worker_reload`) reports the layers it left stale: a `WeightSyncError` naming them;
+- The reload (`vllm.reload.worker_reload`) reports the layers it left stale: a `WeightSyncError` naming them;
   and which engine tensors each pushed tensor wrote: with `checkpoint_origins`, the push check's sources.
 - Digests (rlkit.digests, on the engine's device): what each push received, tensor by tensor in the learner's
   names; what vLLM's loaders wrote into each of its tensors and what that tensor holds after the push, a
@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator
 from torch import Tensor
 
 from rlkit.digests import tensor_digest, to_host
-from rlkit.rollout.engines.checkpoint_format import checkpoint_origins, to_checkpoint
-from rlkit.rollout.engines.vllm_content import Layouts, expected_digests
-from rlkit.rollout.engines.vllm_reload import (
+from rlkit.rollout.engines.vllm.checkpoint_format import checkpoint_origins, to_checkpoint
+from rlkit.rollout.engines.vllm.content import Layouts, expected_digests
+from rlkit.rollout.engines.vllm.reload import (
     worker_digests,
     worker_held_digests,
     worker_module_names,

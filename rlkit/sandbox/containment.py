@@ -24,7 +24,7 @@ process that leaves its group escapes it. A pids cgroup is made even without a c
 find the processes that left a worker's group.
 
 What outlives the trainer: nothing it knew of. Each process group and cgroup is held by this process's
-reaper (rlkit/rewards/reaper.py) until it is killed, so a trainer that is SIGKILLed leaves no worker's child
+reaper (rlkit/sandbox/reaper.py) until it is killed, so a trainer that is SIGKILLed leaves no worker's child
 running; and the first `ProcessCap` of a process removes the cgroups of trainers that are gone
 (`sweep_stale_cgroups`), killing what is left in them. A cgroup is named `rlkit-<pid namespace>-<pid>-<start
 time>-<n>` after the process that made it (`owner_tag`), so a process that reuses the pid, or one of another
@@ -47,7 +47,7 @@ import resource
 import signal
 import threading
 
-from rlkit.rewards.reaper import REAPER, kill_cgroup, mounts, pids_controller, remove_cgroup
+from rlkit.sandbox.reaper import REAPER, kill_cgroup, mounts, pids_controller, remove_cgroup
 
 log = logging.getLogger(__name__)
 

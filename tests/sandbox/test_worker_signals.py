@@ -1,5 +1,5 @@
 """What an environment starts gets default signal dispositions: the worker's own shield against a signal to
-the trainer's process group (rlkit/rewards/containment.py: default_signals_for_children) is not inherited."""
+the trainer's process group (rlkit/sandbox/containment.py: default_signals_for_children) is not inherited."""
 
 from pathlib import Path
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 
 from rlkit.digests import tensor_digest, to_host
-from rlkit.rollout.engines.vllm_content import Layouts, finish_map, held_digests, on_load, watch_processing
+from rlkit.rollout.engines.vllm.content import Layouts, finish_map, held_digests, on_load, watch_processing
 
 
 def _tensors(layer) -> dict:
@@ -38,7 +38,7 @@ def _tensors(layer) -> dict:
 
 
 # The push being recorded: {"loads": {checkpoint name: engine tensors}, "current": the checkpoint name being
-# loaded, "layouts": the content check's book (vllm_content.Layouts)}. Module level because a recorder stays
+# loaded, "layouts": the content check's book (vllm.content.Layouts)}. Module level because a recorder stays
 # installed: vLLM keeps a layer's checkpoint-layout tensors (and the loaders set on them) from one reload to the
 # next, and wraps a loader only once.
 _RECORDING: dict = {"loads": None, "current": None, "layouts": None}
@@ -171,7 +171,7 @@ def _redo_cpu_expert_prepack(model, touched: set[str]) -> list[str]:
 
 def worker_reload(worker, weights, layouts: Layouts | None = None) -> dict:
     """Runs in the worker: reload `weights` (checkpoint names and layouts) in place; see the module docstring.
-    With `layouts`, what each loader receives is digested there (rlkit/rollout/engines/vllm_content.py).
+    With `layouts`, what each loader receives is digested there (rlkit/rollout/engines/vllm/content.py).
 
     Inside `set_current_vllm_config(worker.vllm_config)`, as vLLM's own `Worker.reload_weights` runs it: the
     layers' weight loaders and post-load processing (quantised methods, custom ops) read the current config, and
@@ -261,7 +261,7 @@ def worker_digests(worker, names) -> dict[str, str]:
 
 
 def worker_held_digests(worker, layouts: Layouts) -> dict[str, str]:
-    """Runs in the worker: the content check's held digests (vllm_content.held_digests)."""
+    """Runs in the worker: the content check's held digests (vllm.content.held_digests)."""
     return held_digests(worker.model_runner.get_model(), layouts)
 
 
