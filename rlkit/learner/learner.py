@@ -447,9 +447,14 @@ class Learner:
 
     @functools.cached_property
     def probe_vocab(self) -> int:
-        """The ids the push's log-prob probe draws from: those the tokenizer and the embedding both know."""
+        """The ids the push's log-prob probe draws from: those the tokenizer and the embedding both know (a
+        folder of weights alone, without a tokenizer, which the learner itself never needs: the embedding's)."""
         rows = self.accelerator.unwrap_model(self.model).get_input_embeddings().num_embeddings
-        return probe_vocab(len(load_tokenizer(self.cfg.model.path)), rows)
+        try:
+            known = len(load_tokenizer(self.cfg.model.path))
+        except (OSError, ValueError):
+            known = rows
+        return probe_vocab(known, rows)
 
     @torch.no_grad()
     def probe_logprobs(self, tokens: Tensor) -> Tensor:

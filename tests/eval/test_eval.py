@@ -217,10 +217,11 @@ DAMAGED = {  # what is damaged (a copy of the checkpoint, its model/ folder or i
     "checksum": ("step", "model/model.safetensors", lambda p: _flip(p, p.stat().st_size // 2), "does not match its sha256"),
     "checksum_of_model": ("step/model", "model/model.safetensors", lambda p: _flip(p, p.stat().st_size // 2),
                           "does not match its sha256"),
-    "zero_byte": ("model", "model.safetensors", lambda p: p.write_bytes(b""), "is not readable safetensors"),
+    # the folder check (a safetensors header, before any model loads) names these two first
+    "zero_byte": ("model", "model.safetensors", lambda p: p.write_bytes(b""), "is not a safetensors file"),
     "truncated": ("model", "model.safetensors", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
                   "is not readable safetensors"),
-    "header": ("model", "model.safetensors", lambda p: _flip(p, 10), "is not readable safetensors"),
+    "header": ("model", "model.safetensors", lambda p: _flip(p, 10), "is not a safetensors file"),
     "nan": ("model", "model.safetensors", _nan_weights, "holds NaN or inf"),
     "adapter_config": ("adapter", "adapter_config.json", lambda p: p.write_text('{"r": 4,'), "is not valid JSON"),
     "adapter_weights": ("adapter", "adapter_model.safetensors",

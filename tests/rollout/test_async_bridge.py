@@ -87,9 +87,10 @@ def test_a_worker_that_dies_mid_push_is_named_when_the_broadcast_does_not_block(
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rollout worker 1 exited with code -9"):
         rollouts.push(export, 1)
-    # Named at once, not after the timeout: with rollout.verify_push (the default) before the second tensor's
-    # digest, whose copy to the host would wait behind the unfinished broadcast (issue 61 item 10).
-    assert cfg.rollout.verify_push and rollouts.pg.sent == 1 and time.monotonic() - start < 10
+    # Named at once, not after the timeout, with rollout.verify_push (the default): every broadcast is queued and
+    # the digests stay on the device until the wait on the last one, which polls the workers' liveness (a copy to
+    # the host before it would wait behind the unfinished broadcast: tests/rollout/test_push_liveness.py).
+    assert cfg.rollout.verify_push and rollouts.pg.sent == 2 and time.monotonic() - start < 10
     rollouts.close = lambda: None
 
 

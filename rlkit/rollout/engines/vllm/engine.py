@@ -195,6 +195,10 @@ class VLLMEngine:
                 context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
                 llm_kwargs.setdefault("enable_chunked_prefill", False)
                 max_num_batched_tokens = max(max_num_batched_tokens, context)
+                if getattr(config, "kv_lora_rank", None) and str(dtype).removeprefix("torch.") == "float32":
+                    # An fp32 MLA model (DeepSeek): vLLM picks its AMX MLA backend where the CPU has AMX tiles,
+                    # whose weight packing takes no fp32 ("expect weight to be bfloat16, ..."); the reference one
+                    llm_kwargs.setdefault("attention_backend", "CPU_MLA")
 
             # The names and shapes a push must bring (as the learner yields them) and their tied aliases,
             # from a weightless copy of the checkpoint's model.
