@@ -73,7 +73,10 @@ def test_command_line_override_wins_over_recipe():
     "overrides, message",
     [
         (["algo.kl_estimator=k5"], "algo.kl_estimator='k5' is not one of ['k1', 'abs', 'k2', 'k3']"),
-        (["algo.policy_loss=ppo"], "algo.policy_loss='ppo' is not one of ['ppo_clip', 'gspo', 'cispo', 'nll']"),
+        (
+            ["algo.policy_loss=ppo"],
+            "algo.policy_loss='ppo' is not one of ['ppo_clip', 'gspo', 'cispo', 'nll']",
+        ),
         (["algo.loss_agg_mode=mean"], "algo.loss_agg_mode='mean' is not one of"),
         (["algo.adv_estimator=vtrace"], "algo.adv_estimator='vtrace' is not one of"),
         (
@@ -249,7 +252,11 @@ BAD = [
     ("algo.adv_estimator", "vtrace", ["algo.adv_estimator='vtrace' is not one of"]),
     ("algo.norm_by_std", "maybe", ["algo.norm_by_std", "maybe"]),
     ("algo.mask_zero_std_groups", "maybe", ["algo.mask_zero_std_groups", "maybe"]),
-    ("algo.policy_loss", "ppo", ["algo.policy_loss='ppo' is not one of ['ppo_clip', 'gspo', 'cispo', 'nll']"]),
+    (
+        "algo.policy_loss",
+        "ppo",
+        ["algo.policy_loss='ppo' is not one of ['ppo_clip', 'gspo', 'cispo', 'nll']"],
+    ),
     ("algo.loss_agg_mode", "mean", ["algo.loss_agg_mode='mean' is not one of"]),
     ("algo.kl_estimator", "k5", ["algo.kl_estimator='k5' is not one of ['k1', 'abs', 'k2', 'k3']"]),
     ("algo.kl_in_reward", True, ["algo.kl_in_reward=true needs token-level rewards"]),
