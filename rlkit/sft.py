@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -150,7 +149,7 @@ class SFTRun(contextlib.AbstractContextManager):
                 tags=lc.tags, resume_id=self.wandb_id,
             )  # fmt: skip
             self.wandb_id = self.logger.run_id
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            rundir.write_own(self.run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
 
     def batch(self, indices: list[int]):
         """This rank's contiguous share of the global batch `indices`, as the learner's TrainBatch."""
@@ -181,29 +180,13 @@ class SFTRun(contextlib.AbstractContextManager):
         return {"eval/loss": float(nll), "eval/tokens": float(mask.sum())}
 
     def save_checkpoint(self) -> None:
-        """`checkpoints/step_<k>` as RL writes it (rlkit.rundir: a temporary folder renamed into place, with
-        checksums), its state the step and the data position."""
-        tmp, final = rundir.checkpoint_dirs(self.run_dir, self.step)
-        self.learner.refuse_nonfinite_checkpoint(f"step {self.step}: checkpoint {final}", self.run_dir)
-        no_room = rundir.no_room_for(final) if self.is_main else None
-        if (no_room := broadcast_object(no_room, self.world)) is not None:
-            raise rundir.CheckpointError(no_room)
-        with rundir.writing_checkpoint(tmp, main=self.is_main):
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            self.accelerator.wait_for_everyone()
-            self.learner.save_checkpoint(tmp)
-            if self.is_main:
-                self.tokenizer.save_pretrained(tmp / "model")
-                state = {
-                    "step": self.step, "data_position": self.order.position, "wandb_id": self.wandb_id,
-                    "world_size": self.world,
-                }  # fmt: skip
-                rundir.commit_checkpoint(tmp, final, state)
-                rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
-            self.accelerator.wait_for_everyone()
-        log.info("checkpoint written: %s", final)
+        """`checkpoints/step_<k>` as RL writes it (`rlkit.trainer.write_checkpoint`), its state the step and the
+        data position."""
+        trainer.write_checkpoint(
+            self.run_dir, self.step, self.learner, self.accelerator, self.tokenizer, is_main=self.is_main,
+            world=self.world, keep_last=self.cfg.trainer.keep_last,
+            state=lambda tmp: {"data_position": self.order.position, "wandb_id": self.wandb_id},
+        )  # fmt: skip
 
     def _stopping(self) -> bool:
         device = self.learner.device
@@ -222,10 +205,10 @@ class SFTRun(contextlib.AbstractContextManager):
             with contextlib.suppress(ValueError):  # not the main thread
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
-            if self.evals is not None and t.eval_at_start and self.step == 0 and self.logger is not None:
-                self.logger.log(self.eval_loss(), step=0)
-            elif self.evals is not None and t.eval_at_start and self.step == 0:
-                self.eval_loss()  # every rank runs the forward
+            if self.evals is not None and t.eval_at_start and self.step == 0:
+                at_start = self.eval_loss()  # every rank runs the forward
+                if self.logger is not None:
+                    self.logger.log(at_start, step=0)
             while self.step < t.steps:
                 metrics = self.train_step()
                 self.step += 1

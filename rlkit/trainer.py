@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,6 +76,38 @@ def check_config(cfg: RLConfig) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Finish the step, write a checkpoint, exit 0 (SIGHUP: a closed terminal). rlkit.train's launcher passes the
 same ones (its own STOP_SIGNALS) on to its ranks."""
+
+
+def write_checkpoint(
+    run_dir: Path, step: int, learner, accelerator, tokenizer, *, is_main: bool, world: int, keep_last: int,
+    state: Callable[[Path], dict],
+) -> Path:  # fmt: skip
+    """Write `checkpoints/step_<step>` through a temporary directory renamed into place when complete (with
+    `checksums.json`, rlkit.rundir). Never from non-finite weights; on any failure (a full disk: "no space left")
+    the temporary directory is removed and the previous checkpoint is left as it was. `state(tmp)`, called on every
+    rank, gives the run's own entries of trainer_state.json beside the step and the world size. Every rank calls
+    it; `python -m rlkit.sft` writes its checkpoints with it too."""
+    tmp, final = rundir.checkpoint_dirs(run_dir, step)
+    learner.refuse_nonfinite_checkpoint(f"step {step}: checkpoint {final}", run_dir)
+    no_room = rundir.no_room_for(final) if is_main else None
+    if (no_room := broadcast_object(no_room, world)) is not None:  # every rank stops alike
+        raise rundir.CheckpointError(no_room)
+    with rundir.writing_checkpoint(tmp, main=is_main):
+        if is_main:
+            if tmp.is_symlink():
+                tmp.unlink()
+            shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        learner.save_checkpoint(tmp)
+        extra = state(tmp)
+        if is_main:
+            tokenizer.save_pretrained(tmp / "model")
+            rundir.commit_checkpoint(tmp, final, {"step": step, **extra, "world_size": world})
+            rundir.prune_checkpoints(run_dir, keep_last)
+        accelerator.wait_for_everyone()
+    log.info("checkpoint written: %s", final)
+    return final
 
 
 def guard_run_dir(run_dir: Path, resume: str, world: int, is_main: bool, *, record: dict | None = None):
@@ -242,40 +275,21 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step_<k>` through a temporary directory renamed into place when complete (with
-        `checksums.json`, rlkit.rundir). Never from non-finite weights; on any failure (a full disk: "no
-        space left") the temporary directory is removed and the previous checkpoint is left as it was."""
-        tmp, final = rundir.checkpoint_dirs(self.run_dir, self.global_step)
-        self.learner.refuse_nonfinite_checkpoint(f"step {self.global_step}: checkpoint {final}", self.run_dir)
-        no_room = rundir.no_room_for(final) if self.is_main else None
-        if (no_room := broadcast_object(no_room, self.world)) is not None:  # every rank stops alike
-            raise rundir.CheckpointError(no_room)
-        with rundir.writing_checkpoint(tmp, main=self.is_main):
-            self._write_checkpoint(tmp, final)
-        log.info("checkpoint written: %s", final)
-        return final
+        """`checkpoints/step_<k>` (`write_checkpoint`), with the data position (async: the pending batches),
+        the W&B run and what a resume must match."""
+        return write_checkpoint(
+            self.run_dir, self.global_step, self.learner, self.accelerator, self.tokenizer, is_main=self.is_main,
+            world=self.world, keep_last=self.cfg.trainer.keep_last, state=self._checkpoint_state,
+        )  # fmt: skip
 
-    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
+    def _checkpoint_state(self, tmp: Path) -> dict:
+        state = {
+            **self.rollouts.checkpoint(tmp),
+            "wandb_id": self.wandb_id,
+        }  # every rank (async: its batches)
         if self.is_main:
-            if tmp.is_symlink():
-                tmp.unlink()
-            shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted save
-            tmp.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        self.learner.save_checkpoint(tmp)
-        rollout_state = self.rollouts.checkpoint(tmp)  # the data position (async: and the pending batches)
-        if self.is_main:
-            self.tokenizer.save_pretrained(tmp / "model")
-            state = {
-                "step": self.global_step,
-                **rollout_state,
-                "wandb_id": self.wandb_id,
-                "world_size": self.world,
-            }
             state["resume_keys"] = self.resume_record()
-            rundir.commit_checkpoint(tmp, final, state)
-            rundir.prune_checkpoints(self.run_dir, self.cfg.trainer.keep_last)
-        self.accelerator.wait_for_everyone()
+        return state
 
     def _load_checkpoint(self, path: Path) -> None:
         state = rundir.checkpoint_state(path)
