@@ -100,7 +100,8 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     kind = current_platform.device_type
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
         return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
-    stateful = stateful_layers(hf_config(model_path)) if model_path is not None else []
+    config = hf_config(model_path) if model_path is not None else None
+    stateful = stateful_layers(config) if config is not None else []
     if stateful:
         return False, (
             f"the model's {'/'.join(stateful)} layers carry a recurrent or convolution state (a hybrid family), "
@@ -108,10 +109,10 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
             "it off for whole, seeded prefills) and its prefix cache would keep states computed with the weights "
             "of before a push; the HF engine trains these families"
         )
-    if current_platform.is_cpu() and model_path is not None:
+    if current_platform.is_cpu() and config is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        head = head_dim(model_path)
+        head = head_dim(config)
         if head is not None and head not in CPUAttentionBackend.get_supported_head_sizes():
             return False, f"vLLM's CPU attention does not support head_dim={head}"
     return True, f"vLLM imports and runs on its {kind} platform"
@@ -124,8 +125,8 @@ def hf_config(model_path: str):
     return AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
 
 
-def head_dim(model_path: str) -> int | None:
-    config = hf_config(model_path)
+def head_dim(config) -> int | None:
+    """The attention head size of a transformers config."""
     head = getattr(config, "head_dim", None)
     if head is None and getattr(config, "num_attention_heads", None):
         head = config.hidden_size // config.num_attention_heads
