@@ -12,6 +12,12 @@ Layout of one sample (row) in every batch::
 
 so `torch.cat([prompt_ids, response_ids], 1)` is the sequence the model saw, and response token t sits at
 position P + t; its log-prob is read from the logits at position P + t - 1.
+
+Rows with images (vision-language models) carry them in `images`: one `Images` (or None for a text-only row)
+per row, a tuple beside the tensors. A prompt's `Images` is built once, when the prompt is rendered, and the G
+rows of its group share the one object; `select`, `padding_like` and `to` carry it like a tensor field. The
+prompt ids already hold the image placeholders expanded to the processor's count of image tokens, so engine
+and learner see the same ids.
 """
 
 from __future__ import annotations
@@ -45,14 +51,53 @@ def generation_stats(prompt_mask: Tensor, sequence_mask: Tensor, generated: Tens
     }
 
 
+@dataclass(frozen=True, eq=False)
+class Images:
+    """One prompt's images, decoded and processed once when the prompt is rendered.
+
+    `pictures` are what vLLM's own processor and the samples log take; `tensors` are the model processor's
+    outputs for them (for instance `pixel_values` and `image_grid_thw` for Qwen's VL models,
+    `pixel_values` and `pixel_attention_mask` for Idefics3), what the HF engine and the learner's forward
+    take. `digest` names the pictures' content (sha256 over their pixels): the prefix-cache key and the
+    samples log's id."""
+
+    pictures: tuple
+    """PIL images (RGB), in the order of their placeholders in the prompt."""
+    tensors: dict[str, Tensor]
+    """The processor's image tensors for this prompt alone, on CPU, first dimension per image or per patch."""
+    digest: str
+    """sha256 hex digest of the pictures' sizes and pixels."""
+
+    def to(self, device: torch.device | str) -> Images:
+        return dataclasses.replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()})
+
+
+ROW_TUPLES = ("images",)
+"""Per-row fields that are tuples, not tensors (one entry per row); `_RowOps` indexes them with the rows."""
+
+
 def _check_rows(obj, n: int) -> None:
-    """Every tensor field has `n` rows (RolloutBatch checks that its per-token fields share T on its own)."""
+    """Every tensor field and per-row tuple has `n` rows (RolloutBatch checks that its per-token fields share T
+    on its own)."""
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if not isinstance(v, Tensor):
+        if isinstance(v, Tensor):
+            rows = v.shape[0]
+        elif f.name in ROW_TUPLES and v is not None:
+            rows = len(v)
+        else:
             continue
-        if v.shape[0] != n:
-            raise ValueError(f"{type(obj).__name__}.{f.name} has {v.shape[0]} rows, expected {n}")
+        if rows != n:
+            raise ValueError(f"{type(obj).__name__}.{f.name} has {rows} rows, expected {n}")
+
+
+def select_rows(rows: tuple, index: Tensor | slice) -> tuple:
+    """Entries `index` of a per-row tuple (a slice, or a tensor of row indices or a bool mask)."""
+    if isinstance(index, slice):
+        return rows[index]
+    if index.dtype == torch.bool:
+        index = index.nonzero().flatten()
+    return tuple(rows[i] for i in index.tolist())
 
 
 class _RowOps:
@@ -71,11 +116,17 @@ class _RowOps:
             if isinstance(getattr(self, f.name), Tensor)
         }
 
+    def row_tuples(self) -> dict[str, tuple]:
+        """The per-row tuple fields that are set (`images` on rows with images)."""
+        return {k: getattr(self, k) for k in ROW_TUPLES if getattr(self, k, None) is not None}
+
     def select(self, index: Tensor | list[int] | slice):
-        """Rows `index` of every tensor field (a new batch; the original is untouched)."""
+        """Rows `index` of every tensor field and per-row tuple (a new batch; the original is untouched)."""
         if isinstance(index, list):
             index = torch.tensor(index, dtype=torch.long, device=self.response_ids.device)
-        return dataclasses.replace(self, **{k: v[index] for k, v in self.tensor_fields().items()})
+        picked = {k: v[index] for k, v in self.tensor_fields().items()}
+        picked.update({k: select_rows(v, index) for k, v in self.row_tuples().items()})
+        return dataclasses.replace(self, **picked)
 
     def padding_like(self, rows: int = 1):
         """A padding micro-batch: `rows` copies of this batch's first row in every field, loss mask 0.
@@ -88,7 +139,9 @@ class _RowOps:
         return dataclasses.replace(pad, response_mask=torch.zeros_like(pad.response_mask))
 
     def to(self, device: torch.device | str):
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensor_fields().items()})
+        moved = {k: v.to(device) for k, v in self.tensor_fields().items()}
+        moved.update({k: tuple(x if x is None else x.to(device) for x in v) for k, v in self.row_tuples().items()})
+        return dataclasses.replace(self, **moved)
 
 
 @dataclass(frozen=True)
@@ -100,10 +153,15 @@ class Sequences(_RowOps):
     prompt_mask: Tensor
     response_ids: Tensor
     response_mask: Tensor
+    images: tuple[Images | None, ...] | None = None
+    """Per row, the prompt's images (None for a text-only row); None when no row has any."""
+
+    def __post_init__(self):
+        _check_rows(self, self.response_ids.shape[0])
 
     @classmethod
     def of(cls, batch) -> Sequences:
-        return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+        return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.images)
 
 
 @dataclass(frozen=True)
@@ -136,6 +194,8 @@ class RolloutBatch:
     """[N, T] long, the policy version whose weights sampled each token (with in-flight weight updates a
     row can hold several); NO_VERSION (-1) at padding and at environment tokens. Every engine fills it;
     None only in a batch built by hand without it."""
+    images: tuple[Images | None, ...] | None = None
+    """Per row, the prompt's images (the group's rows share one object); None when no row has any."""
 
     def __post_init__(self):
         n = self.response_ids.shape[0]
@@ -204,6 +264,8 @@ class TrainBatch(_RowOps):
     """[N, T] value targets (PPO)."""
     token_versions: Tensor | None = None
     """[N, T] long, the policy version that sampled each token (RolloutBatch.token_versions)."""
+    images: tuple[Images | None, ...] | None = None
+    """Per row, the prompt's images (RolloutBatch.images)."""
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
+from rlkit.batch import NO_VERSION, Images, RolloutBatch, generation_stats
 
 # trainer.inflight_updates: what an engine does with running requests when new weights arrive between two of its
 # steps. "off": weights change only between batches; "recompute": running requests recompute their KV cache
@@ -63,8 +63,12 @@ class RolloutEngine(Protocol):
         """The weights held now are policy version `version` (called by the owner after every push)."""
         ...
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> RolloutBatch:
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: Sampling, images: list[Images | None] | None = None
+    ) -> RolloutBatch:
         """Sample `n` completions per prompt; rows of a prompt are contiguous (group index = prompt index).
+        `images`, aligned with `prompts`, holds each prompt's images (rlkit.batch.Images; its placeholders
+        already expanded in the prompt's ids); the batch's `images` gives each row its prompt's object.
         An engine asked to generate while asleep wakes itself first."""
         ...
 
