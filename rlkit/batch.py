@@ -140,7 +140,9 @@ class _RowOps:
 
     def to(self, device: torch.device | str):
         moved = {k: v.to(device) for k, v in self.tensor_fields().items()}
-        moved.update({k: tuple(x if x is None else x.to(device) for x in v) for k, v in self.row_tuples().items()})
+        moved.update(
+            {k: tuple(x if x is None else x.to(device) for x in v) for k, v in self.row_tuples().items()}
+        )
         return dataclasses.replace(self, **moved)
 
 

@@ -38,7 +38,9 @@ def test_padding_like_and_to_keep_images():
     pad = _batch((a, None)).padding_like(3)
     assert pad.images == (a, a, a) and not pad.response_mask.any()
     moved = _batch((a, None)).to("cpu")
-    assert moved.images[1] is None and torch.equal(moved.images[0].tensors["pixel_values"], a.tensors["pixel_values"])
+    assert moved.images[1] is None and torch.equal(
+        moved.images[0].tensors["pixel_values"], a.tensors["pixel_values"]
+    )
 
 
 def test_a_row_count_that_differs_is_refused():
