@@ -297,8 +297,9 @@ class RewardConfig:
     """Limit of one call of a batched reward function (@rlkit.rewards.batched); over it the batch scores 0."""
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each reward worker process (RLIMIT_DATA: heap and anonymous memory, on top of what the
-    worker holds at its start); a function over it scores 0 (`reward/errors`); null = no cap. Workers also get
-    oom_score_adj 1000 (see docs/guides/operations.md)."""
+    worker holds at its start); a function over it scores 0 (`reward/errors`); null = no cap. Where a memory
+    cgroup is writable, the worker and all it starts (shared memory included) are also held to it by the kernel.
+    Workers also get oom_score_adj 1000 (see docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of the reward workers and all they start (a pids cgroup, where one is
     writable: see docs/guides/operations.md); null = no cap."""
@@ -342,8 +343,9 @@ class EnvConfig:
     memory_limit_mb: Optional[int] = 8192
     """Memory cap of each process of an environment worker (RLIMIT_DATA: heap, anonymous memory and thread
     stacks, reserved rather than touched, on top of what the worker holds at its start); an allocation over it
-    fails that episode (`env/errors`); null = no cap. Workers also get oom_score_adj 1000 (see
-    docs/guides/operations.md)."""
+    fails that episode (`env/errors`); null = no cap. Where a memory cgroup is writable, the worker and all it
+    starts (shared memory and /dev/shm files included) are also held to it by the kernel. Workers also get
+    oom_score_adj 1000 (see docs/guides/operations.md)."""
     max_processes: Optional[int] = 8192
     """Most processes and threads of one batch's environment workers and all they start (a pids cgroup, or
     a count of processes in /proc where none is writable: see docs/guides/operations.md); null = no cap."""

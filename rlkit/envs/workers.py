@@ -46,6 +46,7 @@ from rlkit.sandbox.containment import (
     default_signals_for_children,
     kill_group,
     limit_this_worker,
+    memory_cap_hit,
     over_shared_memory,
 )
 from rlkit.sandbox.protocol import die_with_parent, exit_reason, read_reply, serve_requests
@@ -296,7 +297,12 @@ class EnvWorkers:
         message = read_reply(w.conn)
         if message is None:  # the sentinel fired or the pipe broke: the worker is dead
             w.proc.join(timeout=10)
-            self._lose(w, f"its worker died ({exit_reason(w.proc.exitcode)})", results)
+            if memory_cap_hit(w.cgroup):
+                cap = self.limits.memory_limit_mb
+                why = f"its memory (the worker and all it started) passed env.memory_limit_mb={cap}"
+                self._lose(w, f"{why} (killed by its memory cgroup)", results)
+            else:
+                self._lose(w, f"its worker died ({exit_reason(w.proc.exitcode)})", results)
         elif message == "ready":
             w.ready = True
         else:

@@ -28,6 +28,7 @@ from rlkit.sandbox.containment import (
     group_members,
     kill_group,
     limit_this_worker,
+    memory_cap_hit,
 )
 from rlkit.sandbox.protocol import die_with_parent, exit_reason, read_reply, serve_requests
 from rlkit.sandbox.reaper import REAPER
@@ -310,7 +311,7 @@ class RewardScorer:
                     message = read_reply(w.conn)
                     if message is None:  # the sentinel fired or the pipe broke: the worker is dead
                         w.proc.join(timeout=10)
-                        self._replace(w, f"crashed (worker {exit_reason(w.proc.exitcode)})", tally)
+                        self._replace(w, self._death(w), tally)
                     elif message == "ready":
                         w.ready = True
                         self._start_failures = 0
@@ -324,6 +325,15 @@ class RewardScorer:
                     self._replace(w, f"timed out after {limit:.1f}s", tally, timeout=w.ready)
         self._kill_leftovers()
         return self._scores(tally, weights, rows, len(responses))
+
+    def _death(self, w: _Worker) -> str:
+        """Why worker `w` died, in words (its memory cgroup's kill named as such)."""
+        if memory_cap_hit(w.cgroup):
+            return (
+                f"crashed (its memory, the worker and all it started, passed "
+                f"reward.memory_limit_mb={self.memory_limit_mb}: killed by its memory cgroup)"
+            )
+        return f"crashed (worker {exit_reason(w.proc.exitcode)})"
 
     def _replace(self, w: _Worker, why: str, tally: _Tally, *, timeout: bool = False) -> None:
         """Kill worker `w` (its task scores 0, counted) and start another in its place."""

@@ -55,7 +55,9 @@ _SEQ = itertools.count()
 
 
 def limit_this_worker(memory_limit_mb: int | None, cgroup: str | None) -> None:
-    """In a fresh worker process: new session, OOM-killer preference, memory cap, its pids cgroup."""
+    """In a fresh worker process: new session, OOM-killer preference, memory caps, its pids and memory cgroups."""
+    if memory_limit_mb is not None:  # before anything forks, so every child is in it
+        cap_memory(memory_twin(cgroup), resident_bytes() + (int(memory_limit_mb) << 20))
     if cgroup is not None:
         with contextlib.suppress(OSError):  # before anything forks, so every child is in it
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
@@ -73,14 +75,65 @@ def limit_this_worker(memory_limit_mb: int | None, cgroup: str | None) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS in /proc/self/status); 0 where it cannot be read."""
+    return _status_bytes("VmRSS:")
+
+
 def private_data_bytes() -> int:
     """What RLIMIT_DATA counts of this process now (VmData in /proc/self/status); 0 where it cannot be read."""
+    return _status_bytes("VmData:")
+
+
+def _status_bytes(field: str) -> int:
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmData:"):
+                if line.startswith(field):
                     return int(line.split()[1]) << 10
     return 0
+
+
+MEMORY_LIMITS = ("memory.max", "memory.limit_in_bytes")  # cgroup2's, cgroup v1's
+MEMORY_EVENTS = ("memory.events", "memory.oom_control")  # where each counts its OOM kills (`oom_kill N`)
+
+
+def memory_twin(cgroup: str | None) -> str | None:
+    """The memory cgroup `ProcessCap.cgroup_for` made beside worker cgroup `cgroup`: the same two names below
+    a memory root (on cgroup2 the same folder); None where there is none."""
+    if cgroup is None:
+        return None
+    tail = os.path.join(*cgroup.rstrip("/").split("/")[-2:])
+    for root in _memory_cgroup_roots():
+        path = os.path.join(root, tail)
+        if any(os.path.isfile(os.path.join(path, f)) for f in MEMORY_LIMITS):
+            return path
+    return None
+
+
+def cap_memory(path: str | None, limit_bytes: int) -> None:
+    """Set memory cgroup `path`'s limit to `limit_bytes` and move this process into it (nothing where `path` is
+    None or cannot be written). The kernel charges every page the process and its children touch from now on,
+    shared memory and tmpfs files included, and kills them (the cgroup's OOM killer) past the limit."""
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        limits = [f for f in MEMORY_LIMITS if os.path.isfile(os.path.join(path, f))]
+        with open(os.path.join(path, limits[0]), "w") as f:
+            f.write(str(limit_bytes))
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def memory_cap_hit(cgroup: str | None) -> bool:
+    """Worker cgroup `cgroup`'s memory twin has killed a process for passing its limit."""
+    twin = memory_twin(cgroup)
+    for name in MEMORY_EVENTS if twin else ():
+        for line in _read(os.path.join(twin, name)).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                return True
+    return False
 
 
 def _caught(signum, frame) -> None:
@@ -169,8 +222,18 @@ def _relative(path: str, mount_root: str) -> str | None:
 
 
 def _pids_cgroup_roots() -> list[str]:
-    """Where this process can make pids cgroups: its cgroup in a mounted cgroup v1 hierarchy with the pids
-    controller, then its cgroup in a mounted cgroup2 file system whose root offers `pids`. Only real cgroup
+    """Where this process can make pids cgroups (`_cgroup_roots("pids")`)."""
+    return _cgroup_roots("pids")
+
+
+def _memory_cgroup_roots() -> list[str]:
+    """Where this process can make memory cgroups (`_cgroup_roots("memory")`)."""
+    return _cgroup_roots("memory")
+
+
+def _cgroup_roots(controller: str) -> list[str]:
+    """Where this process can make `controller` cgroups: its cgroup in a mounted cgroup v1 hierarchy with the
+    controller, then its cgroup in a mounted cgroup2 file system whose root offers it. Only real cgroup
     mounts count (reaper.mounts: fs type and options from /proc/self/mountinfo), never a path guessed under
     /sys/fs/cgroup, which on cgroup v1 is a writable tmpfs where "pids.max" is a plain file."""
     try:
@@ -182,16 +245,16 @@ def _pids_cgroup_roots() -> list[str]:
     roots = []
     for hierarchy, controllers, path in lines:  # (v1 hierarchies are listed before v2's "0::")
         v2 = hierarchy == "0" and controllers == ""
-        if not v2 and "pids" not in controllers.split(","):
+        if not v2 and controller not in controllers.split(","):
             continue
         for point, mount_root, fstype, options in table:
-            if not pids_controller(fstype, options) or (fstype == "cgroup2") != v2:
+            if not pids_controller(fstype, options, controller) or (fstype == "cgroup2") != v2:
                 continue
             below = _relative(path, mount_root)
             if below is None:
                 continue
             root = (point.rstrip("/") + below).rstrip("/") or "/"
-            if v2 and "pids" not in _read(os.path.join(root, "cgroup.controllers")).split():
+            if v2 and controller not in _read(os.path.join(root, "cgroup.controllers")).split():
                 continue
             if root not in roots:
                 roots.append(root)
@@ -299,7 +362,7 @@ def sweep_stale_cgroups() -> list[str]:
     touched (this process did not make them); cgroups of live makers, of other pid namespaces, or in any other
     naming are left alone."""
     removed = []
-    for root in _pids_cgroup_roots():
+    for root in dict.fromkeys(_pids_cgroup_roots() + _memory_cgroup_roots()):
         try:
             names = os.listdir(root)
         except OSError:
@@ -333,6 +396,10 @@ class ProcessCap:
             _SWEPT[0] = True
             sweep_stale_cgroups()
         name = f"rlkit-{owner_tag()}-{next(_SEQ)}"
+        self._make_pids(name, max_processes)
+        self.memory_path = self._make_memory(name)
+
+    def _make_pids(self, name: str, max_processes: int | None) -> None:
         roots = _pids_cgroup_roots()
         for root in roots:
             path = os.path.join(root, name)
@@ -358,6 +425,27 @@ class ProcessCap:
                 "pids controller holds this process's cgroup", "" if max_processes is not None else " (none set)",
             )  # fmt: skip
 
+    def _make_memory(self, name: str) -> str | None:
+        """The parent of the workers' memory cgroups (the memory cap, `limit_this_worker`), where a memory
+        controller is writable (only beside a pids cgroup: the pids cgroup finds and kills the processes)."""
+        if self.path is None:
+            return None
+        for root in _memory_cgroup_roots():
+            path = os.path.join(root, name)
+            if path == self.path:  # cgroup2: one folder holds both controllers, once its children get memory
+                with contextlib.suppress(OSError):
+                    with open(os.path.join(path, "cgroup.subtree_control"), "w") as f:
+                        f.write("+memory")
+                    return path
+                continue
+            try:
+                os.mkdir(path)
+            except OSError:
+                continue
+            REAPER.hold_cgroup(path)
+            return path
+        return None
+
     def cgroup_for(self, k: int) -> str | None:
         if self.path is None:
             return None
@@ -368,6 +456,9 @@ class ProcessCap:
             pass
         except OSError:
             return None
+        if self.memory_path not in (None, self.path):
+            with contextlib.suppress(OSError):
+                os.mkdir(os.path.join(self.memory_path, f"w{k}"))
         return path
 
     @property
@@ -386,9 +477,12 @@ class ProcessCap:
         return max(members, key=lambda g: len(members[g]))
 
     def release(self, cgroup: str | None) -> None:
-        """Kill whatever is in child cgroup `cgroup` (of `cgroup_for`) and remove it."""
+        """Kill whatever is in child cgroup `cgroup` (of `cgroup_for`) and remove it (and its memory twin)."""
         if cgroup is not None:
+            twin = memory_twin(cgroup)
             remove_cgroup(cgroup)
+            if twin not in (None, cgroup):
+                remove_cgroup(twin)
 
     def close(self) -> None:
         """Kill whatever is still in the cgroups and remove them; safe to call twice."""
@@ -397,3 +491,7 @@ class ProcessCap:
         path, self.path = self.path, None
         remove_cgroup(path)
         REAPER.release_cgroup(path)
+        memory, self.memory_path = self.memory_path, None
+        if memory not in (None, path):
+            remove_cgroup(memory)
+            REAPER.release_cgroup(memory)

@@ -63,27 +63,33 @@ def mounts(mountinfo: str | None = None) -> list[tuple[str, str, str, set[str]]]
     return out
 
 
-def pids_controller(fstype: str, options: set[str]) -> bool:
-    """A cgroup file system that can hold pids cgroups: cgroup2, or cgroup v1 mounted with `pids`."""
-    return fstype == "cgroup2" or (fstype == "cgroup" and "pids" in options)
+def pids_controller(fstype: str, options: set[str], controller: str = "pids") -> bool:
+    """A cgroup file system that can hold `controller` cgroups: cgroup2, or cgroup v1 mounted with it."""
+    return fstype == "cgroup2" or (fstype == "cgroup" and controller in options)
 
 
-def on_pids_cgroup(path: str, mountinfo: str | None = None) -> bool:
-    """True when `path` lies on a cgroup file system with the pids controller (the deepest mount holding it)."""
+def on_pids_cgroup(path: str, mountinfo: str | None = None, controller: str = "pids") -> bool:
+    """True when `path` lies on a cgroup file system with the pids controller (or `controller`: the memory
+    cgroups of containment's memory cap) (the deepest mount holding it)."""
     real = os.path.realpath(path)
     best = None
     for point, _, fstype, options in mounts(mountinfo):
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and (best is None or len(point) > len(best[0])):
             best = (point, fstype, options)
-    return best is not None and pids_controller(best[1], best[2])
+    return best is not None and pids_controller(best[1], best[2], controller)
+
+
+def on_cgroup(path: str) -> bool:
+    """`path` is on a real cgroup file system of the pids or the memory controller (what rlkit makes)."""
+    return on_pids_cgroup(path) or on_pids_cgroup(path, controller="memory")
 
 
 def kill_cgroup(path: str, budget_s: float = 2.0, *, freeze: bool = True) -> None:
     """SIGKILL every process in cgroup `path` until it is empty; with `freeze` (a cgroup this process, or the
     trainer this reaper serves, made) new forks are refused first (`pids.max` 0). Nothing is signalled unless
-    `path` is on a real pids cgroup file system (`on_pids_cgroup`)."""
-    if not on_pids_cgroup(path):
+    `path` is on a real pids (or memory) cgroup file system (`on_cgroup`)."""
+    if not on_cgroup(path):
         return
     if freeze:
         with contextlib.suppress(OSError):
@@ -121,8 +127,8 @@ def rmdir(path: str, budget_s: float = 2.0) -> None:
 
 def remove_cgroup(path: str, *, freeze: bool = True) -> None:
     """Kill everything in cgroup `path` and in its child cgroups, then remove them all (`freeze`:
-    `kill_cgroup`'s). A path that is not on a pids cgroup file system is left as it is."""
-    if not on_pids_cgroup(path):
+    `kill_cgroup`'s). A path that is not on a pids (or memory) cgroup file system is left as it is."""
+    if not on_cgroup(path):
         return
     with contextlib.suppress(OSError):
         for sub in os.listdir(path):
