@@ -32,12 +32,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from rlkit.algos.evaluation import mean_and_spread, stderr
+from rlkit.checkpoints import check_checkpoint, model_folder_problem
 from rlkit.config.rules import model_folder_ok
 from rlkit.config.schema import CONFIG_DIR, ConfigError, RLConfig, register_configs, to_dict
 from rlkit.models import load_causal_lm, load_tokenizer, resolve_model
 from rlkit.rollout.evaluation import EvalSettings, default_ks, per_prompt, summarize
 from rlkit.rollout.local import LocalRollouts
-from rlkit.rundir import CHECKSUMS, TRAINER_STATE, check_checkpoint, model_folder_problem
+from rlkit.rundir import CHECKSUMS, TRAINER_STATE
 from rlkit.train import load_config
 
 __all__ = ["evaluate_model", "main", "model_identity", "resolve_eval_model", "weights_sha256"]

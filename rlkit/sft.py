@@ -32,7 +32,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from rlkit import gcpolicy, learner, rundir, trainer
+from rlkit import checkpoints, gcpolicy, learner, rundir, trainer
 from rlkit.collectives import all_reduce, broadcast_object
 from rlkit.config.rules import local_path_exists, parse, validate
 from rlkit.config.schema import CONFIG_DIR, ConfigError, RLConfig, register_configs, to_dict
@@ -135,7 +135,7 @@ class SFTRun(contextlib.AbstractContextManager):
         self.order = PromptOrder(len(self.rows), t.seed)
         self.step, self.wandb_id, self._stop = 0, None, None
         if resume_from is not None:
-            state = rundir.checkpoint_state(resume_from)
+            state = checkpoints.checkpoint_state(resume_from)
             self.learner.load_checkpoint(resume_from)
             self.step, self.order.position = state["step"], state["data_position"]
             self.wandb_id = state.get("wandb_id")

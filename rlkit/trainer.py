@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rlkit import gcpolicy, rundir
+from rlkit import checkpoints, gcpolicy, rundir
 from rlkit.collectives import CollectiveWatch, all_reduce, broadcast_object
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, RLConfig, to_dict
@@ -87,12 +87,12 @@ def write_checkpoint(
     the temporary directory is removed and the previous checkpoint is left as it was. `state(tmp)`, called on every
     rank, gives the run's own entries of trainer_state.json beside the step and the world size. Every rank calls
     it; `python -m rlkit.sft` writes its checkpoints with it too."""
-    tmp, final = rundir.checkpoint_dirs(run_dir, step)
+    tmp, final = checkpoints.checkpoint_dirs(run_dir, step)
     learner.refuse_nonfinite_checkpoint(f"step {step}: checkpoint {final}", run_dir)
-    no_room = rundir.no_room_for(final) if is_main else None
+    no_room = checkpoints.no_room_for(final) if is_main else None
     if (no_room := broadcast_object(no_room, world)) is not None:  # every rank stops alike
-        raise rundir.CheckpointError(no_room)
-    with rundir.writing_checkpoint(tmp, main=is_main):
+        raise checkpoints.CheckpointError(no_room)
+    with checkpoints.writing_checkpoint(tmp, main=is_main):
         if is_main:
             if tmp.is_symlink():
                 tmp.unlink()
@@ -103,8 +103,8 @@ def write_checkpoint(
         extra = state(tmp)
         if is_main:
             tokenizer.save_pretrained(tmp / "model")
-            rundir.commit_checkpoint(tmp, final, {"step": step, **extra, "world_size": world})
-            rundir.prune_checkpoints(run_dir, keep_last)
+            checkpoints.commit_checkpoint(tmp, final, {"step": step, **extra, "world_size": world})
+            checkpoints.prune_checkpoints(run_dir, keep_last)
         accelerator.wait_for_everyone()
     log.info("checkpoint written: %s", final)
     return final
@@ -121,12 +121,12 @@ def guard_run_dir(run_dir: Path, resume: str, world: int, is_main: bool, *, reco
             lock = rundir.RunDirLock.take(run_dir)
             rundir.check_own_files(run_dir)
             rundir.check_fresh_run(run_dir, resume)
-            resume_from = rundir.resume_path(run_dir, resume)
+            resume_from = checkpoints.resume_path(run_dir, resume)
             if resume_from is not None:
-                rundir.check_world_size(resume_from, world)
+                checkpoints.check_world_size(resume_from, world)
                 if record is not None:
-                    rundir.check_resume_keys(resume_from, record)
-            step = rundir.checkpoint_state(resume_from)["step"] if resume_from else 0
+                    checkpoints.check_resume_keys(resume_from, record)
+            step = checkpoints.checkpoint_state(resume_from)["step"] if resume_from else 0
             rundir.truncate_metrics(run_dir, step)
         except Exception as e:
             if lock is not None:
@@ -194,8 +194,8 @@ class Trainer:
             rundir.write_own(self.run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
 
     def resume_record(self) -> dict:
-        """What a checkpoint records of this run's config, for a resume to compare (rundir.RESUME_KEYS)."""
-        return rundir.resume_record(to_dict(self.cfg), model_shape(self.cfg.model.path))
+        """What a checkpoint records of this run's config, for a resume to compare (checkpoints.RESUME_KEYS)."""
+        return checkpoints.resume_record(to_dict(self.cfg), model_shape(self.cfg.model.path))
 
     def _guard_run_dir(self):
         return guard_run_dir(
@@ -292,7 +292,7 @@ class Trainer:
         return state
 
     def _load_checkpoint(self, path: Path) -> None:
-        state = rundir.checkpoint_state(path)
+        state = checkpoints.checkpoint_state(path)
         self.learner.load_checkpoint(path)
         self.global_step = state["step"]
         self.rollouts.load_checkpoint(path, state)

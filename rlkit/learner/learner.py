@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlkit.batch import Sequences, TrainBatch
+from rlkit.checkpoints import CheckpointError, latest_checkpoint
 from rlkit.collectives import all_reduce
 from rlkit.config.derived import derive
 from rlkit.flops import ModelShape, sequence_flops
@@ -63,7 +64,6 @@ from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model
-from rlkit.rundir import CheckpointError, latest_checkpoint
 from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite

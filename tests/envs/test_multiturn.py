@@ -5,7 +5,7 @@ environment errors and timeouts counted, 2 processes (launched from another fold
 import pytest
 from run_helpers import REPO_ROOT, launch, overrides, read_jsonl, tiny, train  # noqa: F401
 
-from rlkit.rundir import latest_checkpoint
+from rlkit.checkpoints import latest_checkpoint
 
 pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
 

@@ -8,9 +8,8 @@ import os
 
 import pytest
 
-from rlkit.sandbox import containment
-
 from rlkit.envs.workers import EnvWorkers, Limits
+from rlkit.sandbox import containment
 
 pytestmark = pytest.mark.slow  # environment worker processes: `make test-fast` leaves it out
 

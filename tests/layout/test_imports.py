@@ -1,7 +1,7 @@
 """The layered layout of rlkit (the table below, also in docs/concepts/training-step.md), read from every `import` of
 rlkit/ (nothing is imported).
 
-    0 leaves     batch, algos, config/schema, config/derived, config/reference, weights, digests, rundir,
+    0 leaves     batch, algos, config/schema, config/derived, config/reference, weights, digests, rundir, checkpoints,
                  collectives, timing, metrics, logging, plots, models, lookup, flops, gcpolicy, sandbox
     1 inputs     config/rules, data, rewards, envs
     2 machines   learner/, rollout/engines/
@@ -27,7 +27,7 @@ REPO = Path(os.environ.get("RLKIT_IMPORTS_ROOT", Path(__file__).resolve().parent
 PACKAGE = REPO / "rlkit"
 LEAVES = {
     "rlkit", "rlkit.batch", "rlkit.algos", "rlkit.config", "rlkit.config.schema", "rlkit.config.derived",
-    "rlkit.config.reference", "rlkit.weights", "rlkit.digests", "rlkit.rundir",
+    "rlkit.config.reference", "rlkit.weights", "rlkit.digests", "rlkit.rundir", "rlkit.checkpoints",
     "rlkit.collectives", "rlkit.timing", "rlkit.metrics", "rlkit.logging", "rlkit.plots", "rlkit.models",
     "rlkit.lookup", "rlkit.flops", "rlkit.gcpolicy",
 }  # fmt: skip

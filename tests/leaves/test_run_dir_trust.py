@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rlkit import rundir
+from rlkit import checkpoints, rundir
 
 
 @pytest.fixture
@@ -81,13 +81,13 @@ def test_cutting_metrics_back_never_writes_through_a_symlink(run_dir, victim):
 
 
 def _checkpoint(run_dir, step, resume_keys=None, critic=False):
-    tmp, final = rundir.checkpoint_dirs(run_dir, step)
+    tmp, final = checkpoints.checkpoint_dirs(run_dir, step)
     (tmp / "model").mkdir(parents=True)
     (tmp / "model" / "weights.bin").write_bytes(bytes(range(256)) * 4)
     if critic:
         (tmp / "value_model").mkdir()
     state = {"step": step} if resume_keys is None else {"step": step, "resume_keys": resume_keys}
-    rundir.commit_checkpoint(tmp, final, state)
+    checkpoints.commit_checkpoint(tmp, final, state)
     return final
 
 
@@ -97,15 +97,15 @@ def test_a_damaged_checkpoint_written_again_is_kept_aside_with_a_warning(run_dir
     damaged = _checkpoint(run_dir, 2)
     weights = damaged / "model" / "weights.bin"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated: does not verify
-    assert rundir.newest_good_checkpoint(run_dir).name == "step_1"
+    assert checkpoints.newest_good_checkpoint(run_dir).name == "step_1"
     with caplog.at_level(logging.WARNING, logger="rlkit.rundir"):
         _checkpoint(run_dir, 2)  # the resumed run writes step 2 again
     aside = run_dir / "checkpoints" / "step_2.replaced-1"
     assert (aside / "model" / "weights.bin").read_bytes() == bytes(range(100))  # the damaged files, intact
-    assert rundir.check_checkpoint(run_dir / "checkpoints" / "step_2") is None
+    assert checkpoints.check_checkpoint(run_dir / "checkpoints" / "step_2") is None
     assert str(aside) in caplog.text and "did not verify" in caplog.text
     _checkpoint(run_dir, 3)
-    rundir.prune_checkpoints(run_dir, keep=1)  # pruning never touches a folder kept aside
+    checkpoints.prune_checkpoints(run_dir, keep=1)  # pruning never touches a folder kept aside
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2.replaced-1", "step_3"]
 
 
@@ -128,9 +128,9 @@ RECORD = {
 )
 def test_a_resume_with_another_run_key_is_refused_naming_it_and_both_values(run_dir, key, value):
     ckpt = _checkpoint(run_dir, 1, resume_keys=RECORD)
-    rundir.check_resume_keys(ckpt, RECORD)  # the same run resumes
+    checkpoints.check_resume_keys(ckpt, RECORD)  # the same run resumes
     with pytest.raises(RuntimeError, match=rf"{key} was {RECORD[key]!r}.*this run has {value!r}") as e:
-        rundir.check_resume_keys(ckpt, {**RECORD, key: value})
+        checkpoints.check_resume_keys(ckpt, {**RECORD, key: value})
     assert str(ckpt) in str(e.value)
 
 
@@ -138,8 +138,8 @@ def test_a_checkpoint_without_a_record_is_checked_for_its_critic(run_dir):
     """A checkpoint written before rlkit recorded its keys: its value_model/ folder says whether it had a critic."""
     plain = _checkpoint(run_dir, 1)
     with pytest.raises(RuntimeError, match="algo.value_model was False.*this run has True"):
-        rundir.check_resume_keys(plain, {**RECORD, "algo.value_model": True})
-    rundir.check_resume_keys(plain, {**RECORD, "rollout.group_size": 16})  # nothing else is known
+        checkpoints.check_resume_keys(plain, {**RECORD, "algo.value_model": True})
+    checkpoints.check_resume_keys(plain, {**RECORD, "rollout.group_size": 16})  # nothing else is known
 
 
 def test_resume_record_reads_the_keys_from_a_config():
@@ -148,7 +148,7 @@ def test_resume_record_reads_the_keys_from_a_config():
         "algo": {"adv_estimator": "gae", "policy_loss": "ppo_clip", "value_model": True},
         "rollout": {"group_size": 1},
     }
-    assert rundir.resume_record(config, {"hidden_size": 8}) == {
+    assert checkpoints.resume_record(config, {"hidden_size": 8}) == {
         "model.path": "/m", "model.shape": {"hidden_size": 8}, "model.lora.rank": 8, "algo.adv_estimator": "gae",
         "algo.policy_loss": "ppo_clip", "algo.value_model": True, "rollout.group_size": 1,
     }  # fmt: skip

@@ -19,7 +19,7 @@ import pytest
 import torch
 from run_helpers import overrides, read_jsonl, tiny, train  # noqa: F401  (tiny is a fixture)
 
-from rlkit.rundir import latest_checkpoint
+from rlkit.checkpoints import latest_checkpoint
 
 pytestmark = pytest.mark.slow  # trainer runs: `make test-fast` leaves it out
 
@@ -355,8 +355,9 @@ def test_a_worker_failing_at_start_up_reports_its_traceback(tiny, tmp_path, monk
 def test_a_crafted_pending_file_is_refused_on_resume_and_never_run(tiny, tmp_path):
     """A pickle whose loading would write a marker file, saved under the pending file's name in an async
     checkpoint: the resume is refused with an error naming the file, and the marker is never written."""
+    from rlkit.checkpoints import write_checksums
     from rlkit.rollout.remote.messages import MessageError
-    from rlkit.rundir import PENDING_FILE, write_checksums
+    from rlkit.rundir import PENDING_FILE
 
     run = ("trainer.steps=1", *ASYNC)
     train(tiny, tmp_path / "c", *run)

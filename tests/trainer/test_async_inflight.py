@@ -169,10 +169,11 @@ def test_sigterm_with_a_mixed_batch_pending_resumes_as_the_uninterrupted_run(tin
     in-flight swaps. A second run is not bit-equal: which engine step a swap lands on depends on when the push
     arrives, so another run (even the same one without the stop) samples other tokens under other versions
     from batch 1 on."""
+    from rlkit.checkpoints import checkpoint_state, latest_checkpoint
     from rlkit.rollout.remote import client
     from rlkit.rollout.remote.client import AsyncRollouts
     from rlkit.rollout.remote.messages import load_pending
-    from rlkit.rundir import PENDING_FILE, checkpoint_state, latest_checkpoint
+    from rlkit.rundir import PENDING_FILE
     from rlkit.train import compose, load_config
     from rlkit.trainer import Trainer
 

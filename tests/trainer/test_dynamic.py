@@ -12,9 +12,9 @@ import torch
 from run_helpers import overrides, tiny, train  # noqa: F401  (tiny: the shared model fixture)
 
 from rlkit.algos.advantages import overlong_penalty
+from rlkit.checkpoints import latest_checkpoint
 from rlkit.data.prompts import PromptOrder
 from rlkit.rollout.producer import informative_groups, select_groups
-from rlkit.rundir import latest_checkpoint
 from rlkit.train import compose, load_config
 from rlkit.trainer import Trainer
 

@@ -19,7 +19,7 @@ from run_helpers import (  # noqa: F401  (tiny: the session's tiny model fixture
     weights_dir,
 )  # fmt: skip
 
-from rlkit.rundir import latest_checkpoint, write_checksums
+from rlkit.checkpoints import latest_checkpoint, write_checksums
 from rlkit.train import compose, load_config
 from rlkit.trainer import run
 

@@ -50,7 +50,7 @@ def tmpfs(directory: Path, size: str):
 
 
 def _previous_checkpoint(run_dir: Path) -> Path:
-    from rlkit.rundir import checkpoint_dirs, commit_checkpoint
+    from rlkit.checkpoints import checkpoint_dirs, commit_checkpoint
 
     tmp, final = checkpoint_dirs(run_dir, 1)
     (tmp / "model").mkdir(parents=True)
@@ -82,7 +82,7 @@ WRITERS = {
 
 @pytest.mark.parametrize("writer", list(WRITERS))
 def test_a_write_error_on_a_full_device_is_named_whatever_layer_raises_it(tmp_path, monkeypatch, writer):
-    from rlkit.rundir import CheckpointError, check_checkpoint, checkpoint_dirs, writing_checkpoint
+    from rlkit.checkpoints import CheckpointError, check_checkpoint, checkpoint_dirs, writing_checkpoint
 
     rel, write, raw_type = WRITERS[writer]
     with tmpfs(tmp_path / "disk", "1m") as disk:
@@ -110,7 +110,7 @@ def test_a_write_error_on_a_full_device_is_named_whatever_layer_raises_it(tmp_pa
 
 def test_the_same_runtime_error_on_a_device_with_room_keeps_its_own_name(tmp_path):
     """The free space decides: torch's text alone does not make a full disk (tmp_path has room)."""
-    from rlkit.rundir import checkpoint_dirs, writing_checkpoint
+    from rlkit.checkpoints import checkpoint_dirs, writing_checkpoint
 
     tmp, _ = checkpoint_dirs(tmp_path, 1)
     tmp.mkdir(parents=True)
@@ -127,8 +127,8 @@ def test_a_run_on_a_full_tmpfs_names_the_file_keeps_the_previous_checkpoint_and_
     """A run whose disk fills while step 2's checkpoint is written (another process takes the space once
     step 1's checkpoint is there): CheckpointError naming a file of .tmp-step_2, step_1 intact. Resumed with
     the disk still that full, step 2's checkpoint is refused before anything is written."""
+    from rlkit.checkpoints import CheckpointError, check_checkpoint
     from rlkit.learner import checkpoint
-    from rlkit.rundir import CheckpointError, check_checkpoint
 
     with tmpfs(tmp_path / "disk", "96m") as disk:
         if disk is None:

@@ -13,7 +13,7 @@ import pytest
 import run_helpers
 from run_helpers import launch_env, launcher_folders, overrides, read_jsonl
 
-from rlkit.rundir import latest_checkpoint
+from rlkit.checkpoints import latest_checkpoint
 
 tiny = run_helpers.tiny  # the tiny model fixture
 

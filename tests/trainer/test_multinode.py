@@ -8,8 +8,8 @@ import pytest
 import torch
 from run_helpers import FIXTURES, launch_env, overrides, read_jsonl, tiny, train  # noqa: F401 (tiny: a fixture)
 
+from rlkit.checkpoints import latest_checkpoint
 from rlkit.collectives import free_port
-from rlkit.rundir import latest_checkpoint
 
 pytestmark = pytest.mark.slow  # a torchrun launch of two nodes: `make test-fast` leaves it out
 

@@ -16,7 +16,7 @@ import run_helpers
 import torch
 from run_helpers import launch_env, overrides, read_jsonl, run_args, train
 
-from rlkit.rundir import latest_checkpoint, write_checksums
+from rlkit.checkpoints import latest_checkpoint, write_checksums
 
 pytestmark = pytest.mark.slow  # launched trainer runs: `make test-fast` leaves it out
 
@@ -216,7 +216,7 @@ def test_resume_none_in_a_used_run_dir_is_refused_and_leaves_it_untouched(tiny, 
 def test_resume_with_another_run_key_is_refused_naming_both_before_models_load(
     tiny, one_step_run, tmp_path, monkeypatch, extra, key, saved, new
 ):
-    """The checkpoint records the keys a resume must keep (rlkit.rundir.RESUME_KEYS). Before: another group
+    """The checkpoint records the keys a resume must keep (rlkit.checkpoints.RESUME_KEYS). Before: another group
     size resumed silently, and a critic the checkpoint lacks failed with a bare FileNotFoundError after the
     models loaded."""
     import rlkit.trainer

@@ -149,7 +149,7 @@ def test_a_checkpoint_is_never_written_from_nonfinite_weights(tiny, tmp_path, mo
         train(tiny, run_dir, "trainer.steps=3", "trainer.save_every=1", "trainer.eval_at_start=false")
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step_1"]  # no step_2, no .tmp-step_2
-    from rlkit.rundir import CheckpointError, check_checkpoint
+    from rlkit.checkpoints import CheckpointError, check_checkpoint
 
     assert isinstance(e.value, CheckpointError), e.value
     assert re.match(
@@ -266,7 +266,7 @@ def test_a_full_disk_says_no_space_left_removes_the_partial_checkpoint_and_keeps
         train(tiny, run_dir, "trainer.steps=3", "trainer.save_every=1", "trainer.eval_at_start=false")
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]  # the temporary directory is gone
-    from rlkit.rundir import CheckpointError, check_checkpoint
+    from rlkit.checkpoints import CheckpointError, check_checkpoint
 
     assert isinstance(e.value, CheckpointError), e.value
     assert re.match(r"no space left on device writing .*tmp-step_2/model/model.safetensors", str(e.value))
@@ -277,7 +277,7 @@ def test_a_full_disk_says_no_space_left_removes_the_partial_checkpoint_and_keeps
 
 
 def _fake_checkpoint(run_dir: Path, step: int) -> Path:
-    from rlkit.rundir import checkpoint_dirs, commit_checkpoint
+    from rlkit.checkpoints import checkpoint_dirs, commit_checkpoint
 
     tmp, final = checkpoint_dirs(run_dir, step)
     (tmp / "model").mkdir(parents=True)
@@ -287,7 +287,7 @@ def _fake_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def test_pruning_keeps_the_last_good_checkpoint_until_newer_ones_verify(tmp_path):
-    from rlkit.rundir import prune_checkpoints
+    from rlkit.checkpoints import prune_checkpoints
 
     ckpts = [_fake_checkpoint(tmp_path, step) for step in (1, 2, 3)]
     _halve(ckpts[2] / "model" / "weights.bin")  # step 3 is damaged
