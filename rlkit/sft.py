@@ -9,7 +9,9 @@ differs is the step: no rollout, the rows' own tokens are the targets.
                 mask on the assistant's tokens), in a seeded order that a checkpoint's `data_position` resumes
     2 update    learner.update with algo.policy_loss=nll, token-mean over the whole global batch
                 (rlkit/algos/losses.py: the gradient is the full batch's whatever the micro-batches and ranks)
-    3 eval      the held-out split's token-mean NLL (`eval/loss`) every trainer.eval_every steps and at the end
+    3 eval      the held-out split's token-mean NLL (`eval/loss`) every trainer.eval_every steps and at the end;
+                with sft.generation_eval, generation on the held-out prompts too (`eval/pass@k`, ...), through the
+                rollout side's evaluation, the one training and `rlkit.eval` use (the weights pushed and verified)
     4 checkpoint every trainer.save_every steps, at the end and on SIGTERM / SIGINT; `checkpoints/step_<k>/model`
                 is an HF model folder: `python -m rlkit.train model.path=.../model` starts RL from it
 
@@ -43,6 +45,7 @@ from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
 from rlkit.models import load_tokenizer
+from rlkit.rollout.local import LocalRollouts
 from rlkit.train import default_num_processes, launch, one_run_dir
 
 __all__ = ["SFTRun", "load_config", "main", "run"]
@@ -132,6 +135,11 @@ class SFTRun(contextlib.AbstractContextManager):
         self.tokenizer, self.rows, self.evals = rows_and_steps(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.learner = Learner(cfg, self.accelerator)
+        self.rollouts = None  # sft.generation_eval: the rollout side, for its evaluation only
+        if cfg.sft.generation_eval:
+            self.rollouts = LocalRollouts(
+                cfg, rank=self.rank, world=self.world, device=self.learner.device, tokenizer=self.tokenizer
+            )
         self.order = PromptOrder(len(self.rows), t.seed)
         self.step, self.wandb_id, self._stop = 0, None, None
         if resume_from is not None:
@@ -141,6 +149,8 @@ class SFTRun(contextlib.AbstractContextManager):
             self.wandb_id = state.get("wandb_id")
             if self.is_main:
                 print(f"Resumed from {resume_from} at step {self.step}", flush=True)
+        if self.rollouts is not None:  # the engine gets (and verifies) the weights of this step
+            self.rollouts.start(self.learner.export(), self.step, evaluate=True)
         self.logger = None
         if self.is_main:
             lc = cfg.logger
@@ -177,7 +187,16 @@ class SFTRun(contextlib.AbstractContextManager):
         logp = self.learner.forward(batch).logprobs.cpu()
         mask = batch.response_mask
         nll = -torch.where(mask, logp, 0.0).sum() / mask.sum()
-        return {"eval/loss": float(nll), "eval/tokens": float(mask.sum())}
+        return {"eval/loss": float(nll), "eval/tokens": float(mask.sum())} | self.eval_generation()
+
+    def eval_generation(self) -> dict[str, float]:
+        """sft.generation_eval: the engine gets this step's weights (verified) and the rollout side's evaluation
+        generates on the held-out prompts and scores them (`eval/pass@k`, `eval/reward_mean`, ...)."""
+        if self.rollouts is None:
+            return {}
+        if self.step > 0:
+            self.rollouts.push(self.learner.export(), self.step, evaluate=True)
+        return self.rollouts.evaluate(self.step)
 
     def save_checkpoint(self) -> None:
         """`checkpoints/step_<k>` as RL writes it (`rlkit.trainer.write_checkpoint`), its state the step and the
@@ -231,6 +250,9 @@ class SFTRun(contextlib.AbstractContextManager):
         return history
 
     def __exit__(self, *exc) -> None:
+        if self.rollouts is not None:
+            self.rollouts.close()
+            self.rollouts = None
         if self.logger is not None:
             self.logger.close()
             self.logger = None

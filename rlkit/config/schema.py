@@ -482,6 +482,11 @@ class SFTConfig:
     epochs: Optional[int] = None
     """Passes over the training rows: trainer.steps = ceil(epochs x rows / trainer.train_batch_size); null =
     trainer.steps as given."""
+    generation_eval: bool = False
+    """At every evaluation (trainer.eval_every, the start and the end) also generate on the held-out prompts and
+    score them with the reward, as training's evaluation and `rlkit.eval` do (the same code path: `eval/pass@k`,
+    `eval/reward_mean`, ...; rollout.engine samples rollout.eval_group_size per prompt at
+    rollout.eval_temperature): the data must have prompts and answers (data.prompt_key, data.answer_key)."""
 
 
 @dataclass

@@ -158,3 +158,30 @@ def test_lora_sft_checkpoint_holds_merged_weights_and_the_adapter(model_dir, tmp
     changed = [n for n in merged if n in base and not torch.equal(merged[n], base[n])]
     assert any("q_proj" in n for n in changed)  # the adapters' update is merged in
     AutoModelForCausalLM.from_pretrained(ckpt / "model")
+
+
+def test_generation_eval_is_rlkit_evals_on_the_same_weights(model_dir, tmp_path):
+    """sft.generation_eval runs the rollout side's evaluation (training's, rlkit.eval's) on the weights of each
+    eval step: at the end, `python -m rlkit.eval` on the final checkpoint, with the same settings, gives the
+    very numbers the SFT run logged."""
+    from rlkit.eval import main_from_config
+
+    gen = (
+        "sft.generation_eval=true", "rollout.engine=hf", "rollout.eval_group_size=2", "data.eval_size=4",
+        # a reward that varies with the response (a tiny random model solves no sum), half of it "correct"
+        "reward.fn=rlkit_test_rewards:length", "reward.correct_threshold=0.5",
+    )  # fmt: skip
+    history = run_sft(model_dir, tmp_path / "run", *gen)
+    assert [("eval/pass@1" in h) for h in history] == [False, True, False, True]
+    final = history[-1]
+    assert 0 < final["eval/reward"] < 1 and final["eval/pass@2"] > 0  # something to compare
+    cfg = compose(
+        sft_overrides(
+            model_dir, tmp_path / "unused", *gen, f"eval.model={tmp_path / 'run/checkpoints/step_4'}"
+        )
+    )
+    report = main_from_config(cfg, tmp_path / "eval.json")
+    total = report["metrics"]["total"]
+    assert report["settings"]["prompts"] == 4 and report["settings"]["n"] == 2
+    for key in ("pass@1", "pass@2", "reward"):
+        assert total[key]["mean"] == pytest.approx(final[f"eval/{key}"], abs=1e-12), key
