@@ -32,8 +32,8 @@ cause and the alternative, never trains with a drift. The HF engine is checked t
 
 The vLLM async column is the colocated one: in `trainer.mode=async` each rollout worker runs the same engine,
 the same push and the same checks (digests and probe) in its own process. Whole 2-step training runs
-(`tests/trainer/test_families_train.py`): Qwen3-MoE on vLLM colocated and async, with `|mismatch/kl|` below
-1e-5 after every push, and DeepSeek-V2 refused at start-up with its measured gap.
+(`tests/trainer/test_families_train.py`): Qwen3-MoE and Nemotron-H on vLLM colocated and async, with
+`|mismatch/kl|` below 1e-5 after every push, and DeepSeek-V2 refused at start-up with its measured gap.
 
 Where it was measured: every column on CPU (vLLM's CPU build, in eager mode, its CPU default; no GPU has run
 it). On CUDA vLLM compiles the model by default, and the families it runs through its Transformers backend
