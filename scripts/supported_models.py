@@ -60,7 +60,14 @@ prefills). In-flight updates (`trainer.inflight_updates`) are checked on Nemotro
 refuses it before anything loads, with the measured cause in the table, and `rollout.engine=auto` picks the HF
 engine: vLLM's gated-DeltaNet CPU kernel runs bfloat16 only (Qwen3-Next is measured with a bf16 engine against the
 fp32 learner, bound 0.25; `model.dtype=float32` is refused), and head sizes 64 and 128. On CUDA none of these CPU
-refusals applies; the start-up probe measures the gap there. Routing replay is not implemented yet. A
+refusals applies; the start-up probe measures the gap there. A bf16 engine on the CPU: after a push, a pushed
+Qwen3-Next or Nemotron-H engine computes what a fresh engine with the pushed weights computes
+(`tests/rollout/test_vllm_hybrid_push.py`; rlkit refreshes the plain conv weight vLLM's Mamba-2 mixer reads beside
+its prepacked one, which a push left stale: against the fp32 learner, a tiny bf16 Nemotron-H measured 8.9e-4 at
+load and 0.1 after a push before, 2.2e-3 after a push now). A Nemotron-H checkpoint saved in fp32 with a
+bf16 engine is refused at the start-up push of the same weights: vLLM keeps `A = -exp(A_log)` in fp32, computed
+from the checkpoint's fp32 `A_log` at load and from the push's bf16 one after (a bf16 checkpoint, as on the hub,
+or `model.dtype=float32` trains). Routing replay is not implemented yet. A
 vision-language Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`, the hub's default) trains on text as its
 language model: transformers loads it as `Qwen3_5ForCausalLM`, which computes exactly what the VL model computes on
 text; rlkit's checkpoints then hold the language model alone, without the vision tower
