@@ -32,8 +32,8 @@ cause and the alternative, never trains with a drift. The HF engine is checked t
 
 The vLLM async column is the colocated one: in `trainer.mode=async` each rollout worker runs the same engine,
 the same push and the same checks (digests and probe) in its own process. Whole 2-step training runs
-(`tests/trainer/test_families_train.py`): Qwen3-MoE on vLLM colocated and async, with `|mismatch/kl|` below
-1e-5 after every push, and DeepSeek-V2 refused at start-up with its measured gap.
+(`tests/trainer/test_families_train.py`): Qwen3-MoE and Nemotron-H on vLLM colocated and async, with
+`|mismatch/kl|` below 1e-5 after every push, and DeepSeek-V2 refused at start-up with its measured gap.
 
 Where it was measured: every column on CPU (vLLM's CPU build, in eager mode, its CPU default; no GPU has run
 it). On CUDA vLLM compiles the model by default, and the families it runs through its Transformers backend
@@ -50,12 +50,28 @@ The experts are sharded by FSDP2 like every parameter (`tests/learner/test_fsdp2
 Hybrid families (Qwen3.5 text, dense and MoE; Qwen3-Next; LFM2; Nemotron-H: 2 layers, one with a gated DeltaNet,
 a short convolution or a Mamba-2 mixer, one with attention) carry a recurrent or convolution state from one
 position to the next. The HF engine samples them (the prompt is prefilled once per sample: transformers cannot
-repeat such a cache) with the learner's log-probs on left-padded prompts; vLLM is refused before it builds
-anything (the reason in the table), and `rollout.engine=auto` picks the HF engine for them. Routing replay is
-not implemented yet. A vision-language Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`, the hub's default)
-trains on text as its language model: transformers loads it as `Qwen3_5ForCausalLM`, which computes exactly what
-the VL model computes on text; rlkit's checkpoints then hold the language model alone, without the vision tower
-(`tests/rollout/test_vl_checkpoint_text.py`).
+repeat such a cache) with the learner's log-probs on left-padded prompts. vLLM runs them without its prefix cache
+(said once at start-up; asking for it is refused): vLLM keeps such a layer's state with its cached blocks, and
+after a push a later prompt would start from a state the old weights computed. For these rows the matrix also
+samples from vLLM after the push and compares the sampled tokens' log-probs with the learner's (the probe only
+prefills). In-flight updates (`trainer.inflight_updates`) are checked on Nemotron-H token by token
+(`tests/rollout/test_vllm_inflight.py`): `recompute` rebuilds a running request's state under the new weights,
+`keep_kv` keeps the old weights' state as it keeps their KV. Where vLLM's CPU build cannot run a family, rlkit
+refuses it before anything loads, with the measured cause in the table, and `rollout.engine=auto` picks the HF
+engine: vLLM's gated-DeltaNet CPU kernel runs bfloat16 only (Qwen3-Next is measured with a bf16 engine against the
+fp32 learner, bound 0.25; `model.dtype=float32` is refused), and head sizes 64 and 128. On CUDA none of these CPU
+refusals applies; the start-up probe measures the gap there. A bf16 engine on the CPU: after a push, a pushed
+Qwen3-Next or Nemotron-H engine computes what a fresh engine with the pushed weights computes
+(`tests/rollout/test_vllm_hybrid_push.py`; rlkit refreshes the plain conv weight vLLM's Mamba-2 mixer reads beside
+its prepacked one, which a push left stale: against the fp32 learner, a tiny bf16 Nemotron-H measured 8.9e-4 at
+load and 0.1 after a push before, 2.2e-3 after a push now). A Nemotron-H checkpoint saved in fp32 with a
+bf16 engine is refused at the start-up push of the same weights: vLLM keeps `A = -exp(A_log)` in fp32, computed
+from the checkpoint's fp32 `A_log` at load and from the push's bf16 one after (a bf16 checkpoint, as on the hub,
+or `model.dtype=float32` trains). Routing replay is not implemented yet. A
+vision-language Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`, the hub's default) trains on text as its
+language model: transformers loads it as `Qwen3_5ForCausalLM`, which computes exactly what the VL model computes on
+text; rlkit's checkpoints then hold the language model alone, without the vision tower
+(`tests/rollout/test_vl_checkpoint_text.py`); vLLM refuses it where it refuses the text Qwen3.5.
 
 Packing (`trainer.pack_sequences`): for every family the learner's packed and padded layouts give each row's
 log-probs and gradients as the row run alone (`tests/learner/test_packing_families.py`), or packing is off for
@@ -83,6 +99,8 @@ def render(data: dict) -> str:
         row = data["families"][name]
         gaps = f"{row['load_gap']:.1e}" if "load_gap" in row else "-"  # refused before vLLM loaded it
         gaps += f" / {row['push_gap']:.1e}" if "push_gap" in row else ""
+        gaps += f" (sampled: {row['sample_gap']:.1e})" if "sample_gap" in row else ""
+        gaps += f" ({row['vllm_dtype']} engine)" if "vllm_dtype" in row else ""
         vllm = STATUS[row["vllm"]]
         why = row.get("reason", "").replace("|", "/") + (
             "; else rollout.engine=hf" if row["vllm"] != "trains" else ""

@@ -29,10 +29,11 @@ _MLA = dict(
     num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1,
 )  # fmt: skip
 
-# Hybrid families: a gated DeltaNet (linear attention) layer, then a gated full-attention layer.
+# Hybrid families: a gated DeltaNet (linear attention) layer, then a gated full-attention layer. Linear-attention
+# head size 64: the smallest vLLM's CPU gated-DeltaNet kernel takes (32 raises there; rlkit refuses it up front).
 _LINEAR_ATTN = dict(
     layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
 )  # fmt: skip
 _SHARED_MOE = dict(
     moe_intermediate_size=EXPERT_FFN, shared_expert_intermediate_size=EXPERT_FFN, num_experts=EXPERTS,
@@ -85,7 +86,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3.5-text": ("Qwen3_5TextConfig", dict(_DENSE, head_dim=HEAD_DIM, **_LINEAR_ATTN)),  # gated DeltaNet
     "qwen3.5-moe-text": ("Qwen3_5MoeTextConfig", dict(_ATTN, head_dim=HEAD_DIM, **_LINEAR_ATTN, **_SHARED_MOE)),
     "qwen3-next": ("Qwen3NextConfig", dict(_DENSE, head_dim=HEAD_DIM, **_LINEAR_ATTN, **_SHARED_MOE)),
-    "lfm2": ("Lfm2Config", dict(_DENSE, layer_types=["conv", "full_attention"])),  # short convolutions
+    # Short convolutions. conv_dim and block_dim: the hub's LFM2 configs carry them (= hidden size) and vLLM reads
+    # them; transformers' Lfm2Config has no such fields (it keeps them as extra keys).
+    "lfm2": ("Lfm2Config", dict(_DENSE, layer_types=["conv", "full_attention"], conv_dim=HIDDEN, block_dim=HIDDEN)),
     "nemotron-h": ("NemotronHConfig", dict(  # Mamba-2 + attention
         _DENSE, head_dim=HEAD_DIM, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=32,
         ssm_state_size=16, n_groups=1,

@@ -16,7 +16,7 @@ from model_families import FAMILIES, build_family, learner_logprobs, sampled_gap
 from vllm_import import import_vllm
 
 from rlkit.config.schema import REPO_ROOT
-from rlkit.models import load_causal_lm
+from rlkit.models import load_causal_lm, stateful_layers
 from rlkit.weights import (
     Export,
     WeightSyncError,
@@ -72,32 +72,43 @@ def _record(name: str, row: dict) -> None:
     SUPPORTED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+def engine_dtype(model) -> str:
+    """fp32, except for gated DeltaNet layers, which vLLM's CPU kernel runs in bf16 only (rlkit refuses fp32)."""
+    return "bfloat16" if getattr(model.config, "linear_key_head_dim", None) else "float32"
+
+
 def vllm_outcome(ckpt: str) -> dict:
     """What happens to the family on vLLM, as a trainer would meet it: the probe on the engine as loaded, the
     same weights pushed (no engine digest may change, the probe must still agree), changed weights pushed
     (every engine tensor built from them must change, the probe must agree). The learner's model exists before
-    the engine is built and must still run after (colocated)."""
+    the engine is built and must still run after (colocated). The learner is fp32; the engine too unless
+    `engine_dtype` says otherwise, and the probe's bound is then the engine dtype's."""
     from rlkit.rollout.engines.vllm import VLLMEngine
 
     model = load_causal_lm(ckpt)
     export = Export(module_manifest(model), lambda: iter_full_parameters(model))
     tokens = probe_tokens()
+    dtype = engine_dtype(model)
+    bound = probe_bound(getattr(torch, dtype))
     try:
-        engine = VLLMEngine(ckpt, dtype="float32", seed=0, kv_cache_gib=0.05, max_model_len=256)
+        engine = VLLMEngine(ckpt, dtype=dtype, seed=0, kv_cache_gib=0.05, max_model_len=256)
     except RuntimeError as e:  # refused before vLLM builds anything (e.g. layers with state: a hybrid family)
         assert "cannot run here" in str(e), e
         return {"vllm": "refused", "reason": str(e), "at_build": True}
     try:
         learner_logprobs(model, tokens)  # the colocated learner still runs (vLLM's Transformers backend)
-        out = {"load_gap": probe_gap(engine.prompt_logprobs(tokens), learner_logprobs(model, tokens))}
+        out = {
+            "dtype": dtype,
+            "load_gap": probe_gap(engine.prompt_logprobs(tokens), learner_logprobs(model, tokens)),
+        }
         try:
-            check_probe(out["load_gap"], BOUND, when="as loaded", engine="vllm", at_load=True)
+            check_probe(out["load_gap"], bound, when="as loaded", engine="vllm", at_load=True)
             before = verify_push(export, engine)
             engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
             # Nothing changed: every engine tensor holds what the push wrote (by content), and the ones that check
             # cannot read (values changed by processing) are as they were (by change); either raises.
             same = verify_push(export, engine, before)
-            check_probe(probe_gap(engine.prompt_logprobs(tokens), learner_logprobs(model, tokens)), BOUND,
+            check_probe(probe_gap(engine.prompt_logprobs(tokens), learner_logprobs(model, tokens)), bound,
                         when="after the same weights", engine="vllm")  # fmt: skip
             _perturb(model, 1)
             engine.load_weights(iter_full_parameters(model), manifest=export.manifest)
@@ -106,7 +117,14 @@ def vllm_outcome(ckpt: str) -> dict:
             determined = set(engine.digest_sources()) & set(changed["engine"])
             assert determined and moved >= determined, "a digest the push determines did not move"
             out["push_gap"] = probe_gap(engine.prompt_logprobs(tokens), learner_logprobs(model, tokens))
-            check_probe(out["push_gap"], BOUND, when="after changed weights", engine="vllm")
+            check_probe(out["push_gap"], bound, when="after changed weights", engine="vllm")
+            if stateful_layers(
+                model.config
+            ):  # the probe prefills only: sampling runs the state's decode path
+                out["sample_gap"] = sampled_gap(engine, model)
+                assert out["sample_gap"] <= bound, (
+                    f"sampled log-probs differ from the learner's: {out['sample_gap']}"
+                )
             out["vllm"] = "trains"
         except WeightSyncError as e:
             out["vllm"] = "refused"
@@ -153,9 +171,14 @@ def test_family_trains_or_is_refused_never_drifts(name, family_ckpt):
     row = {"hf": hf_outcome(ckpt), "vllm": out["vllm"]}
     if "load_gap" in out:
         row["load_gap"] = float(f"{out['load_gap']:.2g}")
+        if out["dtype"] != "float32":
+            row["vllm_dtype"] = out["dtype"]
     if out["vllm"] == "trains":
-        assert out["load_gap"] <= BOUND and out["push_gap"] <= BOUND
+        bound = probe_bound(getattr(torch, out["dtype"]))
+        assert out["load_gap"] <= bound and out["push_gap"] <= bound
         row["push_gap"] = float(f"{out['push_gap']:.2g}")
+        if "sample_gap" in out:
+            row["sample_gap"] = float(f"{out['sample_gap']:.2g}")
     else:
         assert "rollout.engine=hf" in out["reason"] or "accept_engine_gap" in out["reason"], out["reason"]
         row["reason"] = _reason(out["reason"], out.get("load_gap"))

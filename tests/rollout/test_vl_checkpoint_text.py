@@ -51,3 +51,31 @@ def test_the_hf_engine_samples_it_with_the_learners_logprobs(vl_checkpoint):
     assert sampled_gap(
         HFEngine(str(directory), dtype=torch.float32), load_causal_lm(directory)
     ) <= probe_bound(torch.float32)
+
+
+def test_vllm_takes_or_refuses_it_as_it_does_the_text_qwen3_5(vl_checkpoint):
+    """vLLM reads the checkpoint's own architecture (`Qwen3_5ForConditionalGeneration`), in the same module as the
+    text model's: on vLLM's CPU build, without torchvision, that module does not import, and the refusal names
+    the architecture and the cause before anything loads; with it, the gated-DeltaNet CPU kernel's dtype rule
+    applies (fp32 refused)."""
+    import importlib.util
+
+    from vllm_import import import_vllm
+
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    from rlkit.rollout.engines import resolve_engine, vllm_usable
+
+    directory, _ = vl_checkpoint
+    usable, why = vllm_usable(str(directory), "float32")
+    if importlib.util.find_spec("torchvision") is None:
+        assert not usable
+        assert why.startswith(
+            "vLLM's module for Qwen3_5ForConditionalGeneration (vllm/model_executor/models/qwen3_5"
+        )
+        assert "No module named 'torchvision'" in why
+    elif current_platform.is_cpu():
+        assert not usable and "bfloat16 only" in why
+    if not usable:
+        assert resolve_engine("auto", str(directory), dtype="float32", log_pick=False) == "hf"

@@ -8,7 +8,9 @@ log-prob is checked against a transformers forward under the weights that really
   weights' cache, new weights' compute), rebuilt here with a transformers cache; a request admitted after the
   swap equals a fresh scoring under the new version (its cache salt keeps it off the old prefix blocks).
 
-One tiny Llama (hidden 128, head_dim 32: vLLM's CPU attention needs >= 32), one engine per mode."""
+One tiny Llama (hidden 128, head_dim 32: vLLM's CPU attention needs >= 32) and one tiny Nemotron-H (a Mamba-2
+layer's state instead of KV for half the model: recompute must rebuild it under the new weights, keep_kv keeps the
+old weights' state as it keeps their KV), one engine per mode and model."""
 
 import pytest
 import torch
@@ -28,9 +30,17 @@ SWAP_AFTER = 4  # engine steps before the push: tokens 0..3 by version 0, 4..9 b
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=T, seed=7, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("inflight"), hidden_size=128, num_layers=2, seed=0)
+@pytest.fixture(scope="module", params=["llama", "nemotron-h"])
+def models(request, tmp_path_factory):
+    """A tiny Llama, and a tiny Nemotron-H (a Mamba-2 layer, then attention): its recurrent state is what the old
+    weights left in a running request, as the KV is (the engine has no prefix cache for it)."""
+    directory = tmp_path_factory.mktemp("inflight")
+    if request.param == "llama":
+        ckpt = make_tiny_checkpoint(directory, hidden_size=128, num_layers=2, seed=0)
+    else:
+        from model_families import build_family
+
+        ckpt = build_family(request.param, directory)
     old = load_causal_lm(ckpt).float().eval()
     new = load_causal_lm(ckpt).float().eval()
     torch.manual_seed(3)

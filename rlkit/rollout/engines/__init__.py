@@ -55,10 +55,10 @@ DTYPES = {
 }
 
 
-def vllm_usable(model_path: str | None = None) -> tuple[bool, str]:
-    """(whether the vLLM engine can run `model_path` here, why or why not)."""
+def vllm_usable(model_path: str | None = None, dtype=None) -> tuple[bool, str]:
+    """(whether the vLLM engine can run `model_path` in `dtype` (model.dtype; None: any) here, why or why not)."""
     try:
-        return vllm_can_run(model_path)
+        return vllm_can_run(model_path, dtype)
     except Exception as e:  # the check itself failed: say so, do not pretend vllm is missing
         log.warning("checking whether vLLM can run %s failed: %s: %s", model_path, type(e).__name__, e)
         return (
@@ -76,13 +76,13 @@ def torch_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_engine(engine: str, model_path: str | None = None, *, log_pick: bool = True) -> str:
-    """The engine `engine` names: `auto` becomes `vllm` where it can run the model, else `hf` (logged unless
-    `log_pick` is false: a second resolution of a run's engine)."""
+def resolve_engine(engine: str, model_path: str | None = None, *, log_pick: bool = True, dtype=None) -> str:
+    """The engine `engine` names: `auto` becomes `vllm` where it can run the model in `dtype` (model.dtype),
+    else `hf` (logged unless `log_pick` is false: a second resolution of a run's engine)."""
     ENGINES.check(engine)
     if engine != "auto":
         return engine
-    usable, why = vllm_usable(model_path)
+    usable, why = vllm_usable(model_path, dtype)
     picked = "vllm" if usable else "hf"
     if log_pick:
         log.info("rollout.engine=auto picked %s (%s)", picked, why)
@@ -112,7 +112,7 @@ def make_engine(
     `colocated=False`: the engine has its device to itself (an async rollout worker); vLLM then sizes its memory
     for that and does not sleep (`rlkit.rollout.engines.vllm.memory.memory_plan`).
     """
-    engine = resolve_engine(engine, model_path)
+    engine = resolve_engine(engine, model_path, dtype=dtype)
     dtype = torch_dtype(dtype)
     cls = ENGINES[engine]()
     if engine == "vllm":
@@ -139,14 +139,14 @@ def check_config(cfg) -> None:
     if (
         cfg.trainer.mode == "sync"
         and compiling
-        and resolve_engine(r.engine, cfg.model.path, log_pick=False) == "vllm"
+        and resolve_engine(r.engine, cfg.model.path, log_pick=False, dtype=cfg.model.dtype) == "vllm"
     ):
         refusal = colocated_refusal(cfg.model.path, dict(r.engine_kwargs or {}))
         if refusal:
             raise ConfigError(refusal)
     if not r.engine_kwargs:
         return
-    engine = resolve_engine(r.engine, cfg.model.path)
+    engine = resolve_engine(r.engine, cfg.model.path, dtype=cfg.model.dtype)
     if engine == "vllm":
         try:
             check_engine_kwargs(dict(r.engine_kwargs))

@@ -328,7 +328,9 @@ class AsyncRollouts:
         machine: resolve_engine, which logged its pick at start-up); found at the first push,
         not before (it may import vLLM)."""
         if self._workers_probe is None:
-            engine = resolve_engine(self.cfg.rollout.engine, self.cfg.model.path, log_pick=False)
+            engine = resolve_engine(
+                self.cfg.rollout.engine, self.cfg.model.path, log_pick=False, dtype=self.cfg.model.dtype
+            )
             self._workers_probe = engine == "vllm"
         return self._workers_probe
 
@@ -378,7 +380,7 @@ def check_inflight(cfg) -> None:
     where = f"trainer.inflight_updates={mode!r} (choices: {list(INFLIGHT_MODES)})"
     if t.mode != "async":
         raise ConfigError(f"{where} needs trainer.mode=async (got {t.mode!r}); or set it to 'off'")
-    engine = resolve_engine(cfg.rollout.engine, cfg.model.path)
+    engine = resolve_engine(cfg.rollout.engine, cfg.model.path, dtype=cfg.model.dtype)
     if engine != "vllm":
         raise ConfigError(
             f"{where} needs the vLLM engine (rollout.engine={cfg.rollout.engine!r} resolves to {engine!r}); "
@@ -456,7 +458,9 @@ def check_config(cfg) -> None:
     if t.device != "cpu":
         check_gpu_layout(t)
         if cfg.reward.model is not None:  # beside each worker's engine on its GPU (gpu_plan.py)
-            check_reward_model_fits(cfg, resolve_engine(r.engine, cfg.model.path, log_pick=False))
+            check_reward_model_fits(
+                cfg, resolve_engine(r.engine, cfg.model.path, log_pick=False, dtype=cfg.model.dtype)
+            )
     if t.max_staleness > 0 and not cfg.algo.rollout_is.enabled:
         log.warning(
             "trainer.mode=async with trainer.max_staleness=%d and algo.rollout_is.enabled=false: stale batches "

@@ -109,6 +109,8 @@ def engine_kwargs_beside_reward_model(cfg, device: torch.device) -> dict:
     kwargs = dict(cfg.rollout.engine_kwargs or {})
     if device.type != "cuda" or cfg.reward.model is None or "gpu_memory_utilization" in kwargs:
         return kwargs
-    if applies(cfg, resolve_engine(cfg.rollout.engine, cfg.model.path, log_pick=False)):
+    if applies(
+        cfg, resolve_engine(cfg.rollout.engine, cfg.model.path, log_pick=False, dtype=cfg.model.dtype)
+    ):
         kwargs["gpu_memory_utilization"] = _share(cfg, device.index or 0)
     return kwargs

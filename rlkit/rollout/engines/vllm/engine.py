@@ -49,6 +49,7 @@ from rlkit.rollout.engines.vllm.platform import (
     contained_side_effects,
     hf_config,
     launcher_env,
+    prefix_caching,
     vllm_can_run,
     vllm_default,
 )
@@ -114,6 +115,7 @@ class VLLMEngine:
     default on CPU is 1, where vLLM would otherwise read `gpu_memory_utilization` as a share of host
     RAM; None on CUDA = sized from `gpu_memory_utilization`), `enforce_eager` (None = True on CPU, where
     compilation costs ~80 s at start-up, False on CUDA), `max_model_len` (None = the model's),
+    `enable_prefix_caching` (None = on, except for a model with layers that carry state: `prefix_caching`),
     `enable_sleep_mode` (None = colocated and where vLLM's platform supports it, i.e. CUDA), `sleep_level` (2,
     the default: drop the weights and the KV cache, the weights must be pushed before the next generate, which
     the trainer does after every update anyway; 1: offload the weights to pinned host memory and back, a
@@ -142,7 +144,7 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         sleep_level: int = 2,
         max_num_batched_tokens: int = 4096,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool | None = None,
         colocated: bool = True,
         run_tokenizer=None,
         **llm_kwargs,
@@ -151,7 +153,7 @@ class VLLMEngine:
 
         # Importing vllm and building the engine change the process (see contained_side_effects).
         with contained_side_effects(), quiet_build_logs() as quieted:
-            usable, why = vllm_can_run(model_path)
+            usable, why = vllm_can_run(model_path, dtype)
             if not usable:
                 raise RuntimeError(
                     f"rollout.engine=vllm cannot run here: {why}; use rollout.engine=hf (or auto)"
@@ -184,6 +186,7 @@ class VLLMEngine:
                 enforce_eager = on_cpu
 
             config = hf_config(model_path)
+            enable_prefix_caching = prefix_caching(config, enable_prefix_caching)
             # Colocated: the learner's model shares this process's transformers classes (vllm/classes.py).
             refusal = colocated and compiled_transformers_backend(
                 config, enforce_eager=enforce_eager, llm_kwargs=llm_kwargs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 
 import torch
@@ -13,6 +14,8 @@ import torch
 from rlkit.collectives import free_port
 from rlkit.models import resolve_model, stateful_layers
 from rlkit.rollout.engines.vllm.logs import quiet_build_logs
+
+log = logging.getLogger(__name__)
 
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -86,10 +89,11 @@ def vllm_default(name: str):
 
 
 @quiet_build_logs()  # the first vLLM import of a run (the start-up checks): its Triton notices
-def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
+def vllm_can_run(model_path: str | None = None, dtype: str | torch.dtype | None = None) -> tuple[bool, str]:
     """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
-    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512); never a
-    model with layers that carry state across positions (hybrid families: see the message).
+    head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512); for a model
+    with layers that carry state across positions (a hybrid family), what `hybrid_refusal` measured. `dtype`:
+    the engine's (model.dtype), where known; None checks nothing that depends on it.
 
     Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
     try:
@@ -101,14 +105,10 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
         return False, f"vLLM platform {kind!r} is neither CUDA nor CPU"
     config = hf_config(model_path) if model_path is not None else None
-    stateful = stateful_layers(config) if config is not None else []
-    if stateful:
-        return False, (
-            f"the model's {'/'.join(stateful)} layers carry a recurrent or convolution state (a hybrid family), "
-            "which rlkit does not yet run on vLLM: vLLM 0.32 needs chunked prefill for such a cache (rlkit turns "
-            "it off for whole, seeded prefills) and its prefix cache would keep states computed with the weights "
-            "of before a push; the HF engine trains these families"
-        )
+    if config is not None:
+        refusal = hybrid_refusal(config, dtype, on_cpu=current_platform.is_cpu())
+        if refusal:
+            return False, refusal
     if current_platform.is_cpu() and config is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -116,6 +116,93 @@ def vllm_can_run(model_path: str | None = None) -> tuple[bool, str]:
         if head is not None and head not in CPUAttentionBackend.get_supported_head_sizes():
             return False, f"vLLM's CPU attention does not support head_dim={head}"
     return True, f"vLLM imports and runs on its {kind} platform"
+
+
+# Hybrid families vLLM 0.32's CPU build runs wrong, by the measurement that found it (tests/rollout/
+# test_families.py, docs/supported-models.md): model_type -> why.
+CPU_WRONG = {
+    t: "vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates a [tokens, heads, head_dim] query "
+    "wrongly, which is the shape vLLM's LFM2 attention gives it (a tiny LFM2's log-probs differ from the "
+    "learner's by 5e-2 at fp32, at load)"
+    for t in ("lfm2", "lfm2_moe")
+}
+# vLLM 0.32's CPU gated-DeltaNet kernels (vllm/model_executor/layers/mamba/ops/cpu/): bf16 only, and the chunked
+# delta rule takes these head sizes (measured: 64 and 128 run, 32 raises "Unexpected head dim size").
+CPU_GDN_HEAD_DIMS = (64, 128)
+
+
+def hybrid_refusal(config, dtype=None, *, on_cpu: bool) -> str | None:
+    """Why vLLM cannot run this hybrid model here (None for a model without stateful layers, or one it runs).
+
+    Checked in order: vLLM's module for the architecture must import (vLLM 0.32's Qwen3.5 module imports its
+    vision-language sibling, which needs torchvision: the CPU install has none, since PyPI's is built for
+    another torch); on the CPU, the families whose kernels run them wrong (`CPU_WRONG`), and the gated-DeltaNet
+    kernels' dtype and head sizes. The engine turns prefix caching off for every such model (VLLMEngine)."""
+    import importlib
+
+    stateful = stateful_layers(config)
+    if not stateful:
+        return None
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    for arch in getattr(config, "architectures", None) or []:
+        module = _VLLM_MODELS.get(arch, (None,))[0]
+        if module is None:
+            continue
+        try:
+            importlib.import_module(f"vllm.model_executor.models.{module}")
+        except Exception as e:  # vLLM's registry reports this as "failed to be inspected", without the cause
+            why = (
+                f"vLLM's module for {arch} (vllm/model_executor/models/{module}.py) does not import here: "
+                f"{type(e).__name__}: {e}"
+            )
+            if getattr(e, "name", None) == "torchvision":
+                why += " (vLLM's CPU build runs without it: PyPI's torchvision is built for another torch, see the Makefile)"
+            return why
+    if not on_cpu:
+        return None
+    text = config.get_text_config(decoder=True)
+    if text.model_type in CPU_WRONG:
+        return CPU_WRONG[text.model_type]
+    if getattr(text, "linear_key_head_dim", None):  # gated DeltaNet (Qwen3-Next, Qwen3.5); Mamba-2 has none
+        if str(dtype).removeprefix("torch.") in ("float32", "fp32", "float16", "fp16"):  # None, auto: unknown
+            return (
+                f"the model's gated DeltaNet layers run on vLLM's CPU kernel in bfloat16 only "
+                f"(model.dtype={str(dtype).removeprefix('torch.')}): use model.dtype=bfloat16"
+            )
+        heads = {getattr(text, k, None) for k in ("linear_key_head_dim", "linear_value_head_dim")} - {None}
+        if not heads <= set(CPU_GDN_HEAD_DIMS):
+            return (
+                f"vLLM's CPU gated-DeltaNet kernel takes linear-attention head sizes {list(CPU_GDN_HEAD_DIMS)}, "
+                f"the model's are {sorted(heads)}"
+            )
+    return None
+
+
+def prefix_caching(config, asked: bool | None) -> bool:
+    """Whether the engine keeps a prefix cache (`rollout.engine_kwargs.enable_prefix_caching`; None = yes).
+
+    Not for a model with layers that carry state across positions: vLLM 0.32 caches their state only in its
+    "align" mode, which keeps the state of a block's last token with the block; a push leaves those states
+    computed by the old weights where a later prompt with the same prefix would start from them (only the KV
+    blocks are salted by policy version). Without the prefix cache vLLM runs such a model in its "none" mode,
+    where every request computes its state from its own prompt (and needs no chunked prefill, which rlkit turns
+    off on the CPU)."""
+    stateful = stateful_layers(config)
+    if not stateful:
+        return True if asked is None else asked
+    if asked:
+        raise ValueError(
+            f"rollout.engine_kwargs.enable_prefix_caching=true: the model's {'/'.join(stateful)} layers carry "
+            "state across positions, and vLLM's prefix cache would keep states computed with the weights of "
+            "before a push; leave it unset (off for this model) or false"
+        )
+    if asked is None:
+        log.info(
+            "vLLM prefix caching off: the model's %s layers carry state across positions, which vLLM's prefix "
+            "cache would keep across weight pushes (each request prefills its prompt)", "/".join(stateful),
+        )  # fmt: skip
+    return False
 
 
 def hf_config(model_path: str):

@@ -21,7 +21,8 @@ again through the model's initial-load path into the live tensors, and those lay
 On the CPU platform it then redoes, for every mixture-of-experts layer the push reloaded, the expert prepack
 that vLLM's unquantized fused-MoE method applies at the first load and skips on a weight update (its
 `fused_experts.process_weights_after_loading`): without it the reload copies the new weights in the checkpoint
-layout into tensors the CPU kernel reads as prepacked, a silent drift of every log-prob.
+layout into tensors the CPU kernel reads as prepacked, a silent drift of every log-prob. Likewise the plain conv weight a Mamba-2 mixer reads beside its CPU-prepacked
+one (`_refresh_cpu_conv_views`).
 """
 
 from __future__ import annotations
@@ -169,6 +170,35 @@ def _redo_cpu_expert_prepack(model, touched: set[str]) -> list[str]:
     return done
 
 
+def _refresh_cpu_conv_views(model, touched: set[str]) -> list[str]:
+    """CPU only: the `conv_weights` of each reloaded Mamba-2 mixer (vLLM 0.32's MambaMixer2, e.g. Nemotron-H).
+
+    The mixer registers `conv_weights` at construction as a view of `conv1d.weight` and its CPU forward reads
+    it. In bf16 on a CPU with AVX512-BF16 (or aarch64 bf16) the conv weight's post-load processing replaces
+    `conv1d.weight.data` with a prepacked copy and stashes the plain (dim, width) weight beside it
+    (`_cpu_unpacked_conv_weight`): the view keeps the first load's values, and a push, which reprocesses the
+    layer, leaves it stale (a tiny Nemotron-H's pushed engine differed from a fresh one with the same weights by
+    0.1 mean |dlogp|; the digests do not see a non-persistent buffer). Copy the new plain weight into it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    done = []
+    for path, layer in model.named_modules():
+        view = layer._buffers.get("conv_weights")
+        plain = getattr(getattr(layer, "conv1d", None), "_cpu_unpacked_conv_weight", None)
+        if view is None or plain is None or not any(t.startswith(f"{path}.") for t in touched):
+            continue
+        if (
+            view.shape != plain.shape
+            or view.untyped_storage().data_ptr() == plain.untyped_storage().data_ptr()
+        ):
+            continue
+        view.copy_(plain)
+        done.append(path)
+    return done
+
+
 def worker_reload(worker, weights, layouts: Layouts | None = None) -> dict:
     """Runs in the worker: reload `weights` (checkpoint names and layouts) in place; see the module docstring.
     With `layouts`, what each loader receives is digested there (rlkit/rollout/engines/vllm/content.py).
@@ -213,6 +243,7 @@ def _reload(worker, weights, layouts: Layouts | None) -> dict:
         missed = _load_directly(model, missed, unrecorded, loads)
     touched = set().union(*loads.values()) if loads else set()
     prepacked = _redo_cpu_expert_prepack(model, touched)
+    conv_views = _refresh_cpu_conv_views(model, touched)
     if layouts is not None:
         # The expert prepack changes values after loading: those tensors are checked by change.
         layouts.skipped |= {t for t in layouts.shapes if any(t.startswith(f"{p}.") for p in prepacked)}
@@ -222,7 +253,7 @@ def _reload(worker, weights, layouts: Layouts | None) -> dict:
         if hasattr(runner, reset):
             getattr(runner, reset)()
     return {"loads": {k: sorted(v) for k, v in loads.items()}, "missed": missed, "partial": partial,
-            "prepacked": prepacked}  # fmt: skip
+            "prepacked": prepacked, "conv_views": conv_views}  # fmt: skip
 
 
 def worker_close_failed_reload(worker) -> None:
