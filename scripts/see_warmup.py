@@ -57,14 +57,17 @@ def encode(processor, rows: list[dict], *, with_answers: bool) -> dict:
 
 
 @torch.no_grad()
-def accuracy(model, processor, rows: list[dict], batch: int = 32) -> tuple[float, list[str]]:
+def accuracy(
+    model, processor, rows: list[dict], batch: int = 32, bf16: bool = False
+) -> tuple[float, list[str]]:
     """Fraction of `rows` whose greedy answer the row's reward accepts, and the answers."""
     model.eval()
     correct, answers = 0, []
     for i in range(0, len(rows), batch):
         part = rows[i : i + batch]
         enc = encode(processor, part, with_answers=False)
-        out = model.generate(**enc, max_new_tokens=4, do_sample=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model.generate(**enc, max_new_tokens=4, do_sample=False)
         texts = processor.tokenizer.batch_decode(
             out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
         )
@@ -98,6 +101,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and Adam state)")
     ap.add_argument("--save", default=None, help="write the warmed-up checkpoint and processor here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -115,14 +119,15 @@ def main(argv=None) -> dict:
     optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)
     start = time.perf_counter()
-    acc, answers = accuracy(model, processor, held)
+    acc, answers = accuracy(model, processor, held, bf16=args.bf16)
     log = [{"step": 0, "seconds": 0.0, "loss": None, "accuracy": acc, "sample": answers[:4]}]
     print(json.dumps(log[-1]), flush=True)
     step, losses = 0, []
     start = time.perf_counter()
     while step < args.max_steps and time.perf_counter() - start < 60 * args.minutes:
         enc = encode(processor, rng.sample(train, args.batch), with_answers=True)
-        loss = model(**enc).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(**enc).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
@@ -130,14 +135,14 @@ def main(argv=None) -> dict:
         losses.append(loss.item())
         step += 1
         if step % args.eval_every == 0:
-            acc, answers = accuracy(model, processor, held)
+            acc, answers = accuracy(model, processor, held, bf16=args.bf16)
             entry = {"step": step, "seconds": round(time.perf_counter() - start, 1)}
             entry |= {"loss": round(sum(losses) / len(losses), 4), "accuracy": acc, "sample": answers[:4]}
             log.append(entry)
             losses = []
             print(json.dumps(entry), flush=True)
     if step % args.eval_every:
-        acc, answers = accuracy(model, processor, held)
+        acc, answers = accuracy(model, processor, held, bf16=args.bf16)
         log.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "accuracy": acc})
         print(json.dumps(log[-1]), flush=True)
     if args.save:
