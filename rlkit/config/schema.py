@@ -81,7 +81,8 @@ class ModelConfig:
 class DataConfig:
     path: str = "openai/gsm8k"
     """Hub dataset id, a local JSON/JSONL/Parquet file, a directory with train.* / test.* files,
-    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data), `reasoning_gym`
+    `arithmetic` (a small GSM8K-format word-problem set generated offline by rlkit.data), `pictures` (small
+    pictures of shapes drawn offline by rlkit.data, column `image`, for vision-language models), `reasoning_gym`
     (the tasks of `data.tasks`, generated offline by reasoning-gym), or `env` (the rows of the environment
     env.name, e.g. a verifiers taskset; data.eval_size of them held out for eval)."""
     subset: Optional[str] = "main"
@@ -106,14 +107,18 @@ class DataConfig:
     max_prompt_tokens: int = 512
     """Prompts longer than this (in tokens, after templating) are dropped, with a logged count."""
     num_train: int = 2000
-    """`arithmetic` and `reasoning_gym`: number of generated training problems."""
+    """`arithmetic`, `pictures` and `reasoning_gym`: number of generated training problems."""
     num_eval: int = 200
-    """`arithmetic` and `reasoning_gym`: number of generated eval problems."""
+    """`arithmetic`, `pictures` and `reasoning_gym`: number of generated eval problems."""
     arithmetic_kinds: list[str] = field(default_factory=lambda: list(DEFAULT_ARITHMETIC_KINDS))
     """`arithmetic` only: problem types, a subset of plain_add ("What is a + b?"), story_add, story_sub,
     plain_mul ("What is a * b?", 3-digit a, b), plain_add2 ("What is a + b?", 2-digit a, b), plain_add3
     ("What is a + b + c?"), story_two_step (gets b more, then gives away c); the last four are not in the
     default."""
+    picture_kinds: list[str] = field(default_factory=lambda: ["count"])
+    """`pictures` only: the picture tasks, a subset of count ("How many shapes are in the picture?", 1 to 4,
+    the `math` reward) and colour ("What colour is the shape?", red / green / blue / yellow, the `exact`
+    reward)."""
     tasks: Any = None
     """`reasoning_gym` only: the reasoning-gym tasks, a list of names (`[chain_sum, leg_counting]`) or a mapping
     from a name to its reasoning-gym config and an optional sampling `weight` (`{chain_sum: {max_terms: 3,
@@ -282,7 +287,7 @@ class AlgoConfig:
 @dataclass
 class RewardConfig:
     fn: str = "math"
-    """Main reward: a registered name (`math`, `format`, `reasoning_gym`, `answer_tags`) or an import path `module:fn` / `module.fn`
+    """Main reward: a registered name (`math`, `format`, `reasoning_gym`, `answer_tags`, `exact`) or an import path `module:fn` / `module.fn`
     called as fn(prompt, response, answer, **columns) -> float (see the reward guide in the docs)."""
     correct_threshold: float = 1.0
     """A sample is correct (accuracy, eval/pass@k, filter_metric=accuracy) when its main reward is at least

@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 
 from rlkit.config.schema import ConfigError, DataConfig
-from rlkit.data import reasoning_gym
+from rlkit.data import pictures, reasoning_gym
 from rlkit.data.arithmetic import check_kinds, distinct_problems, generate_arithmetic
 from rlkit.data.prompts import TEMPLATES
 from rlkit.envs import environment_rows
@@ -179,7 +179,7 @@ def check_data(cfg) -> None:
     d = cfg.data
     if d.path == ENV:
         load_splits(d, seed=cfg.trainer.seed, env=cfg.env)
-    elif d.path == ARITHMETIC or Path(d.path).expanduser().exists():
+    elif d.path in (ARITHMETIC, pictures.PICTURES) or Path(d.path).expanduser().exists():
         load_splits(d, seed=cfg.trainer.seed)
 
 
@@ -205,6 +205,16 @@ def _load_splits(cfg: DataConfig, *, seed: int = 0, env=None):
                 num_train=cfg.num_train,
                 num_eval=cfg.num_eval,
                 kinds=tuple(cfg.arithmetic_kinds),
+            )
+        )
+    elif path == pictures.PICTURES:
+        kinds = tuple(cfg.picture_kinds)
+        path = str(
+            pictures.generate_pictures(
+                cache_dir() / "data" / pictures.cache_name(cfg.num_train, cfg.num_eval, kinds),
+                num_train=cfg.num_train,
+                num_eval=cfg.num_eval,
+                kinds=kinds,
             )
         )
     elif path == reasoning_gym.REASONING_GYM:
@@ -358,6 +368,19 @@ def check_config(cfg) -> None:
     if d.system_prompt and d.system_prompt.startswith(reasoning_gym.SYSTEM_PROMPT_PREFIX):
         reasoning_gym.system_prompt(d.system_prompt.removeprefix(reasoning_gym.SYSTEM_PROMPT_PREFIX))
     if d.path == reasoning_gym.REASONING_GYM:
+        return
+    if d.path == pictures.PICTURES:
+        try:
+            pictures.check_kinds(d.picture_kinds)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        reward = getattr(cfg, "reward", None)  # an SFT config has none
+        wanted = pictures.rewards_of(d.picture_kinds)
+        if reward is not None and not reward.route_by and wanted != {reward.fn}:
+            raise ConfigError(
+                f"data.picture_kinds={list(d.picture_kinds)} are checked by the reward(s) {sorted(wanted)}, "
+                f"not reward.fn={reward.fn!r}: set reward.fn (or reward.route_by=kind with reward.routes)"
+            )
         return
     if d.path == ARITHMETIC:
         size = distinct_problems(d.arithmetic_kinds)

@@ -12,7 +12,7 @@ route) with lists instead: `fn(prompts, responses, answers, **columns_as_lists) 
 a model or a service with its own concurrency. `reward.route_by: data_source` picks the main reward
 of each sample by that column's value (`reward.routes: {value: fn}`, `reward.fn` for other values).
 
-Built-ins are registered by name (`math`, `format`, `none`: 0 for everything, `reasoning_gym`: the task's
+Built-ins are registered by name (`math`, `exact`: the last word of the answer, `format`, `none`: 0 for everything, `reasoning_gym`: the task's
 own scorer, rlkit/data/reasoning_gym.py; `reasoning_gym_lenient`: the same, a response without tags scored on its last number; `answer_tags`: 1 for an answer in <answer></answer> tags); any other function is addressed by import path
 (`my_module:my_fn` or `my_module.my_fn`). What counts as *correct* (accuracy, pass@k, the refill filter)
 is the main reward function's verdict: a reward >= `reward.correct_threshold` unless the function declares
@@ -148,6 +148,23 @@ def answer_tags_reward(prompt: str, response: str, answer: str) -> float:
     return 1.0 if reasoning_gym.has_answer(response) else 0.0
 
 
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def word_answer(response: str) -> str | None:
+    """The `exact` reward's answer: the last word of the response's final answer (the text after its last
+    `####`, else the whole response), lower-cased; None without a word."""
+    words = _WORD.findall(_response_final(response).lower())
+    return words[-1] if words else None
+
+
+def exact_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the last word of the response's final answer equals the reference (case and punctuation
+    ignored: "Red." and "The shape is red" answer "red"), else 0.0. For one-word answers that math-verify does
+    not read, such as the colour names of the generated pictures (rlkit/data/pictures.py)."""
+    return 1.0 if word_answer(response) == (word_answer(extract_gsm8k_answer(answer)) or "") else 0.0
+
+
 REGISTRY: dict[str, Callable[[str, str, str], float]] = {
     "math": math_reward,
     "format": format_reward,
@@ -155,6 +172,7 @@ REGISTRY: dict[str, Callable[[str, str, str], float]] = {
     "reasoning_gym": reasoning_gym_reward,
     "reasoning_gym_lenient": reasoning_gym_lenient_reward,
     "answer_tags": answer_tags_reward,
+    "exact": exact_reward,
 }
 
 
@@ -226,6 +244,7 @@ def math_answer(response: str) -> str | None:
 math_reward.rlkit_answer = math_answer
 # What its first call imports: each reward worker of a run that scores with it imports it at start (scorer.py)
 math_reward.rlkit_imports = ("math_verify",)
+exact_reward.rlkit_answer = word_answer
 reasoning_gym_reward.rlkit_answer = reasoning_gym.tagged_answer  # maj@k votes on the tagged answers
 reasoning_gym_lenient_reward.rlkit_answer = reasoning_gym.lenient_answer
 

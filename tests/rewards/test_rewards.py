@@ -48,7 +48,7 @@ def test_resolve_names_and_paths():
     assert resolve("none")("q", "any response", "7") == 0.0  # no task reward (pure distillation)
     with pytest.raises(
         ValueError,
-        match=r"reward.fn='nope' is not one of \['math', 'format', 'none', 'reasoning_gym', 'reasoning_gym_lenient', 'answer_tags'\]",
+        match=r"reward.fn='nope' is not one of \['math', 'format', 'none', 'reasoning_gym', 'reasoning_gym_lenient', 'answer_tags', 'exact'\]",
     ):
         resolve("nope")
     with pytest.raises(ValueError, match="cannot import"):
