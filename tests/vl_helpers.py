@@ -88,12 +88,12 @@ def vl_prompt(processor, text: str, pictures) -> tuple[list[int], object]:
 
 
 def hf_logprobs(model, ids: list[int], images) -> torch.Tensor:
-    """[len(ids) - 1] float32: log p(ids[t] | ids[:t]) from a plain transformers forward with the images."""
+    """[len(ids) - 1] float32: log p(ids[t] | ids[:t]) from a plain transformers forward with the images (None:
+    text alone)."""
     tokens = torch.tensor([ids])
+    tensors = images.tensors if images is not None else {}
     with torch.no_grad():
-        logits = model(
-            input_ids=tokens, attention_mask=torch.ones_like(tokens), **images.tensors
-        ).logits.float()
+        logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens), **tensors).logits.float()
     return torch.log_softmax(logits[0, :-1], -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
 
 

@@ -126,3 +126,134 @@ def test_a_prompt_whose_blocks_do_not_match_its_pictures_is_refused(vl):
         ValueError, match=r"prompts\[0\] holds 1 image placeholder block\(s\) for 2 picture\(s\)"
     ):
         engine.generate([ids], 1, Sampling(max_new_tokens=2), [two])
+
+
+def _vision(name: str) -> bool:
+    """A tensor of the vision side (the tower and the connector): not the language model, not the head."""
+    return not (name.startswith("model.text_model.") or name.startswith("lm_head."))
+
+
+def test_a_push_with_the_vision_tower_reaches_vllm_through_its_own_mapping(vl):
+    """The learner's whole model (vision tower, connector, language model) perturbed and pushed: every pushed
+    tensor is digested as received and found in the engine where vLLM's loaders put it (rlkit.weights.verify_push),
+    and the engine's log-probs on a prompt with an image are the perturbed transformers model's. Perturbing the
+    vision side alone changes them (the push of the tower is what makes the engine see the new pictures)."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlkit.weights import Export, iter_full_parameters, module_manifest, push_weights, verify_push
+
+    directory, processor, _, engine = vl
+    ids, images = _prompt(processor, TEXT, [picture(9)])
+    tokens = torch.tensor([ids])
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    export = Export(module_manifest(model), lambda: iter_full_parameters(model))
+    assert any(_vision(n) for n in export.manifest) and engine.manifest == export.manifest
+    checked = verify_push(export, engine)  # the engine as loaded
+    before = engine.prompt_logprobs(tokens, [images])[0]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if _vision(name):
+                p.add_(0.2 * torch.randn_like(p))
+    moved = hf_logprobs(model, ids, images)
+    assert float((moved - before).abs().max()) > 1e-2  # the vision side matters on this prompt
+    push_weights(export, engine)
+    checked = verify_push(export, engine, checked)
+    assert set(engine.received_digests()) == set(export.manifest)  # every pushed tensor digested as received
+    assert set(export.manifest) <= set(engine._book.loads)  # each taken by one of vLLM's own weight loaders
+    after = engine.prompt_logprobs(tokens, [images])[0]
+    assert float((after - moved).abs().max()) <= probe_bound(torch.float32)
+    # the original weights back: the engine's first log-probs come back
+    original = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    push_weights(Export(module_manifest(original), lambda: iter_full_parameters(original)), engine)
+    assert float((engine.prompt_logprobs(tokens, [images])[0] - before).abs().max()) <= probe_bound(
+        torch.float32
+    )
+
+
+def _shift_post_layernorm(worker):
+    """Runs in the worker: a fault, the vision tower's last norm moved behind rlkit's back."""
+    with torch.no_grad():
+        worker.model_runner.get_model().model.vision_model.post_layernorm.weight.add_(1.0)
+
+
+def test_a_frozen_vision_tower_is_left_out_of_the_push_and_checked_unchanged(vl):
+    """`model.freeze_vision`: the learner pushes its language model and head only. The engine takes that
+    manifest (and no other partial one), keeps its vision tower, and its log-probs on a prompt with an image are
+    the transformers model's with the perturbed language model and the tower as loaded; a vision tensor that
+    changes anyway is a WeightSyncError at the next push."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlkit.weights import (
+        Export,
+        WeightManifestError,
+        WeightSyncError,
+        iter_full_parameters,
+        module_manifest,
+        push_weights,
+        verify_push,
+    )
+
+    directory, processor, _, engine = vl
+    ids, images = _prompt(processor, TEXT, [picture(10)])
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    push_weights(Export(module_manifest(model), lambda: iter_full_parameters(model)), engine)  # as loaded
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not _vision(name):
+                p.add_(0.05 * torch.randn_like(p))
+    language = {n: s for n, s in module_manifest(model).items() if not _vision(n)}
+    export = Export(language, lambda: ((n, t) for n, t in iter_full_parameters(model) if n in language))
+    assert push_weights(export, engine)["num_tensors"] == len(language) < len(engine.manifest)
+    verify_push(export, engine)
+    gap = engine.prompt_logprobs(torch.tensor([ids]), [images])[0] - hf_logprobs(model, ids, images)
+    assert float(gap.abs().max()) <= probe_bound(torch.float32)
+    # a partial push that leaves out part of the language model is refused before anything is copied
+    head = {n: s for n, s in language.items() if n != "lm_head.weight"}
+    with pytest.raises(
+        WeightManifestError, match=r"missing \[.*\] ... \(39\)"
+    ):  # 38 vision tensors + the head
+        engine.load_weights(iter(()), manifest=head)
+    # the tower changed behind the pushes' back: the next frozen push says so
+    engine.llm.collective_rpc(_shift_post_layernorm)
+    with pytest.raises(WeightSyncError, match="did not keep their weights"):
+        push_weights(export, engine)
+    original = vl[2]  # the checkpoint's weights, whole, for the next tests
+    push_weights(Export(module_manifest(original), lambda: iter_full_parameters(original)), engine)
+
+
+def test_the_probe_runs_on_prompts_with_a_picture_and_sees_the_vision_tower(vl):
+    """rlkit.weights.vl_probe_prompt: a picture per row, expanded by the processor, then drawn ids; the engine's
+    probe log-probs there are the transformers model's (check_engine_probe passes), and a vision tower that moved
+    in the engine fails the probe with pictures while the probe on the fixed tokens alone cannot see it."""
+    from rlkit.rollout.local import check_engine_probe
+    from rlkit.weights import (
+        Export,
+        WeightSyncError,
+        iter_full_parameters,
+        module_manifest,
+        probe_gap,
+        probe_tokens,
+        push_weights,
+        vl_probe_prompt,
+    )
+
+    directory, processor, model, engine = vl
+    tokens, images = vl_probe_prompt(processor, len(processor.tokenizer))
+    assert all(
+        row.count(processor.image_token_id) == 20 for row in tokens.tolist()
+    )  # one tiled picture a row
+    learner = torch.stack([hf_logprobs(model, row, im) for row, im in zip(tokens.tolist(), images)])
+    kw = dict(accepted=None, when="as loaded", tokens=tokens, images=images)
+    assert check_engine_probe(engine, learner, torch.float32, **kw) <= probe_bound(torch.float32)
+    text = probe_tokens(1000)
+    text_learner = torch.stack([hf_logprobs(model, row, None) for row in text.tolist()])
+    engine.llm.collective_rpc(_shift_post_layernorm)
+    engine.llm.llm_engine.reset_encoder_cache()  # (a push resets it; the fault bypasses the push)
+    try:
+        assert probe_gap(engine.prompt_logprobs(text), text_learner) <= probe_bound(torch.float32)
+        with pytest.raises(WeightSyncError):
+            check_engine_probe(engine, learner, torch.float32, **kw)
+    finally:
+        push_weights(Export(module_manifest(model), lambda: iter_full_parameters(model)), engine)

@@ -41,7 +41,13 @@ from rlkit.rollout.engines.base import (
     record_throughput,
 )
 from rlkit.rollout.engines.vllm.classes import TransformersClassesRestored, compiled_transformers_backend
-from rlkit.rollout.engines.vllm.images import VLPrompts, check_expanded, is_vision_language, vllm_requests
+from rlkit.rollout.engines.vllm.images import (
+    VLPrompts,
+    check_expanded,
+    is_vision_language,
+    vision_side,
+    vllm_requests,
+)
 from rlkit.rollout.engines.vllm.logs import quiet_build_logs, quiet_push_logs
 from rlkit.rollout.engines.vllm.memory import memory_plan
 from rlkit.rollout.engines.vllm.outputs import request_outputs_to_batch, span_versions
@@ -209,6 +215,7 @@ class VLLMEngine:
                 auto = AutoModelForImageTextToText if self.vision_language else AutoModelForCausalLM
                 meta = auto.from_config(config)
             self.manifest = module_manifest(meta)
+            self._vision_side = vision_side(meta) if self.vision_language else set()
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
             self._push_guard = PushGuard(self.name)
             self.on_cpu = on_cpu
@@ -374,10 +381,22 @@ class VLLMEngine:
         layer's kernel-format processing, plus the CPU expert prepack vLLM skips on an update); a layer that
         received none or part of its weights is a `WeightSyncError` naming it. Resets the prefix cache
         afterwards (cached KV blocks were computed with the old weights).
-        """
 
+        A vision-language model's push may leave out its vision side (tower and connector, `images.vision_side`)
+        when the learner freezes it (`model.freeze_vision`): `manifest` then lacks those tensors, vLLM keeps them,
+        and they are checked unchanged after every such push (`PushBook.check_frozen`, digests of vLLM's tensors
+        under the model's own tower and connector prefixes that the push did not write).
+        """
+        expected, frozen = self.manifest, []
         if manifest is not None:
-            check_manifest(manifest, self.manifest, engine=self.name)
+            left = [n for n in self.manifest if n not in manifest]
+            if left and set(left) <= self._vision_side:
+                frozen = left
+                expected = {n: shape for n, shape in self.manifest.items() if n in manifest}
+            check_manifest(manifest, expected, engine=self.name)
+        prefixes = tuple(self._book.vision_prefixes(self.llm)) if frozen else ()
+        if frozen:
+            self._book.freeze(self.llm, prefixes)
         if self._asleep and not self._weights_awake:
             # The weights must be mapped on the GPU before writing into them (the KV cache stays freed).
             self.llm.wake_up(tags=["weights"])
@@ -393,7 +412,11 @@ class VLLMEngine:
             try:
                 reports = self.llm.collective_rpc(
                     worker_reload,
-                    kwargs={"weights": in_checkpoint_format(stream), "layouts": self._book.layouts},
+                    kwargs={
+                        "weights": in_checkpoint_format(stream),
+                        "layouts": self._book.layouts,
+                        "frozen": prefixes,
+                    },
                 )
             except BaseException:
                 # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
@@ -405,9 +428,12 @@ class VLLMEngine:
 
         start = time.perf_counter()
         with quiet_push_logs() as quieted:  # vLLM's per-push lines: one rlkit debug line below
-            count = self._push_guard.run(copy, named_tensors, self.manifest)
+            count = self._push_guard.run(copy, named_tensors, expected)
             self._weights_lost = False
             self.llm.reset_prefix_cache()
+            if self.vision_language:  # image embeddings the old vision tower computed (scheduler and runner)
+                self.llm.llm_engine.reset_encoder_cache()
+        self._book.check_frozen(self.llm, frozen)
         log.debug(
             "vLLM push: %d tensors in %.3f s (%s)", count, time.perf_counter() - start, "; ".join(quieted)
         )

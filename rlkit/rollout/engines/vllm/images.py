@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from rlkit.weights import exported
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -182,3 +184,14 @@ def check_expanded(outputs, prompts: list[list[int]], images) -> None:
             f"{len(ids)}, first different at position {at} (vLLM {got[at : at + 4]}, processor "
             f"{list(ids[at : at + 4])}): the engine would sample from another prompt than the learner trains on"
         )
+
+
+def vision_side(meta) -> set[str]:
+    """The manifest names (rlkit.weights.exported) of a weightless vision-language model's vision side: every
+    tensor outside its language model (`get_decoder()`) and its output head, i.e. the vision tower and the
+    connector. A push may leave these out when the learner freezes them (`model.freeze_vision`)."""
+    language = {id(p) for p in meta.get_decoder().parameters()}
+    head = meta.get_output_embeddings()
+    if head is not None:
+        language |= {id(p) for p in head.parameters()}
+    return {name for name, tensor in exported(meta) if id(tensor) not in language}
