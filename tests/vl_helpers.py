@@ -11,6 +11,8 @@ AutoModelForImageTextToText) on those tensors. Shared by the vLLM image tests (i
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -29,8 +31,9 @@ def picture(seed: int, size: tuple[int, int] = (56, 56)):
 
 
 def build_qwen25_vl(directory, *, seed: int = 0, processor: bool = True) -> str:
-    """Write a random tiny Qwen2.5-VL checkpoint (fp32) and its processor (`processor=False`: the tokenizer only;
-    transformers builds Qwen's VL processors only with torchvision, for their video processor) to `directory`."""
+    """Write a random tiny Qwen2.5-VL checkpoint (fp32) and its processor (`processor=False`: the tokenizer only)
+    to `directory`. transformers builds Qwen's VL processors only with torchvision (their video processor): without
+    it the processor's files are written by hand, as the hub has them, and do not load."""
     from transformers import (
         AutoModelForImageTextToText,
         GenerationConfig,
@@ -67,11 +70,18 @@ def build_qwen25_vl(directory, *, seed: int = 0, processor: bool = True) -> str:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    if processor:
-        image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    if processor and importlib.util.find_spec("torchvision") is not None:
         Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(directory)
-    else:
-        tokenizer.save_pretrained(directory)
+        return str(directory)
+    tokenizer.save_pretrained(directory)
+    if (
+        processor
+    ):  # the processor's files as the hub has them (transformers cannot build it without torchvision)
+        image_processor.save_pretrained(directory)
+        (directory / "processor_config.json").write_text(
+            json.dumps({"processor_class": "Qwen2_5_VLProcessor"})
+        )
     return str(directory)
 
 

@@ -81,3 +81,18 @@ def test_refusals_name_the_family_or_the_processor(idefics3, tmp_path):
     assert "model_type 'llava'" in vl_refusal(_Config("llava"), directory)
     no_processor = build_idefics3(tmp_path / "bare", processor=False)
     assert "image processor does not load here" in vl_refusal(config, no_processor)
+
+
+def test_qwen25_vl_is_refused_where_its_processor_does_not_load(tmp_path):
+    """vLLM renders a prompt's images with the checkpoint's HF processor: where transformers cannot load it (Qwen's
+    VL processors need torchvision for their video processor; the CPU install removes torchvision), the family is
+    refused at start-up with transformers' own reason."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: Qwen2.5-VL's processor loads")
+    directory = build_qwen25_vl(tmp_path / "q")
+    why = vl_refusal(AutoConfig.from_pretrained(directory), directory)
+    assert "image processor does not load here" in why and "torchvision" in why.lower(), why

@@ -257,3 +257,23 @@ def test_the_probe_runs_on_prompts_with_a_picture_and_sees_the_vision_tower(vl):
             check_engine_probe(engine, learner, torch.float32, **kw)
     finally:
         push_weights(Export(module_manifest(model), lambda: iter_full_parameters(model)), engine)
+
+
+def test_a_family_whose_processor_does_not_load_is_refused_before_vllm_builds(tmp_path):
+    """Qwen2.5-VL without torchvision (its processor's video part needs it; the CPU install removes torchvision):
+    vllm_can_run says why, and the engine stops before building anything."""
+    import importlib.util
+
+    from vl_helpers import build_qwen25_vl
+
+    from rlkit.rollout.engines.vllm import VLLMEngine, vllm_can_run
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: Qwen2.5-VL's processor loads")
+    directory = build_qwen25_vl(tmp_path / "qwen2.5-vl")
+    usable, why = vllm_can_run(directory)
+    assert not usable and "image processor does not load here" in why and "orchvision" in why, why
+    with pytest.raises(
+        RuntimeError, match="rollout.engine=vllm cannot run here: the checkpoint's image processor"
+    ):
+        VLLMEngine(directory, dtype="float32")
