@@ -277,3 +277,51 @@ def test_a_family_whose_processor_does_not_load_is_refused_before_vllm_builds(tm
         RuntimeError, match="rollout.engine=vllm cannot run here: the checkpoint's image processor"
     ):
         VLLMEngine(directory, dtype="float32")
+
+
+def test_an_inflight_push_recomputes_the_pictures_embeddings(vl):
+    """trainer.inflight_updates=recompute on a prompt with a picture: a push of a changed vision tower and language
+    model between two engine steps preempts the running requests, which re-prefill under the new weights, picture
+    included (the push resets vLLM's encoder cache, scheduler and runner, so the picture is encoded again by the
+    new tower): every token's log-prob is a fresh transformers scoring under the version that sampled it."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlkit.weights import Export, iter_full_parameters, module_manifest, push_weights
+
+    directory, processor, model, engine = vl
+    ids, images = _prompt(processor, TEXT, [picture(11)])
+    new = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    calls = []
+
+    def between_steps():
+        calls.append(engine.version)
+        if len(calls) == 3:
+            engine.load_weights(iter_full_parameters(new))
+            engine.set_version(1, in_flight=True)
+
+    engine.allow_inflight_updates("recompute", between_steps)
+    try:
+        s = Sampling(temperature=1.0, max_new_tokens=8, seed=7, ignore_eos=True)
+        rb = engine.generate([ids], 2, s, [images])
+    finally:
+        engine.inflight, engine._between_steps = (
+            "off",
+            None,
+        )  # (no public way back: the module's engine goes on)
+        push_weights(Export(module_manifest(model), lambda: iter_full_parameters(model)), engine)
+        engine.set_version(0)
+    assert rb.images == (images, images)
+    for row in range(2):
+        tokens, versions = rb.response_ids[row].tolist(), rb.token_versions[row].tolist()
+        assert set(versions) == {0, 1}, versions
+        for t, v in enumerate(versions):
+            fresh = hf_logprobs(model if v == 0 else new, ids + tokens[: t + 1], images)[-1]
+            assert abs(float(fresh) - float(rb.rollout_logprobs[row][t])) <= probe_bound(torch.float32), (
+                row,
+                t,
+                v,
+            )
