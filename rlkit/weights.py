@@ -20,6 +20,7 @@ Across processes (trainer.mode=async), `send_weights` broadcasts the same stream
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlkit.batch import Images
 from rlkit.collectives import broadcast, wait_on_host
 from rlkit.digests import tensor_digest, to_host
 
@@ -55,6 +57,10 @@ class Export:
     probe_vocab: int = 1000
     """The ids the probe's tokens are drawn from, `[0, probe_vocab)` (`probe_tokens`; the learner's `probe_vocab`
     of its tokenizer and embedding)."""
+    probe_prompt: tuple[Tensor, tuple] | None = None
+    """A vision-language policy's probe input instead of the fixed tokens: [rows, L] ids, each row a picture's
+    placeholders expanded by the model's processor then drawn ids, and each row's rlkit.batch.Images
+    (`vl_probe_prompt`); `probe` then takes `(tokens, images)`, so the push is probed through the vision tower."""
 
 
 def clean_param_name(name: str) -> str:
@@ -500,6 +506,58 @@ def probe_tokens(vocab_size: int = 1000, *, rows: int = 2, length: int = 32, see
     hi = torch.tensor([(i + 1) * vocab_size // n for i in range(n)])
     ids = lo + (torch.rand(n, generator=g) * (hi - lo).clamp(min=1)).long()
     return ids.clamp(max=vocab_size - 1)[torch.randperm(n, generator=g)].view(rows, length)
+
+
+def probe_input(export: Export) -> tuple[Tensor, tuple | None]:
+    """(tokens, images) the probe runs on: the export's `probe_prompt` (a prompt with a picture per row), else the
+    fixed tokens over its `probe_vocab` and no images."""
+    if export.probe_prompt is not None:
+        return export.probe_prompt
+    return probe_tokens(export.probe_vocab), None
+
+
+def learner_probe(export: Export, tokens: Tensor, images: tuple | None) -> Tensor:
+    """The learner's probe log-probs of `tokens` (with each row's `images` where the probe has them)."""
+    return export.probe(tokens) if images is None else export.probe(tokens, images)
+
+
+# The text that marks one picture in a prompt, by processor class (else its `image_token`): the processor expands
+# it into the picture's placeholder tokens.
+_PICTURE_MARKS = {
+    "Qwen2VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+    "Qwen2_5_VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+    "Qwen3VLProcessor": "<|vision_start|><|image_pad|><|vision_end|>",
+}
+
+
+def vl_probe_prompt(processor, vocab_size: int, *, rows: int = 2, length: int = 32, seed: int = 0):
+    """`Export.probe_prompt` for a vision-language model: per row a fixed random picture (56x56 RGB, drawn from
+    `seed`) marked as the processor's family expects and expanded by it, then `length` ids drawn as
+    `probe_tokens` draws them, the tokenizer's added tokens (image placeholders among them) left out."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    mark = _PICTURE_MARKS.get(type(processor).__name__) or processor.image_token
+    added = torch.tensor(
+        sorted(i for i in processor.tokenizer.added_tokens_decoder if i < vocab_size), dtype=torch.long
+    )
+    plain = torch.ones(vocab_size, dtype=torch.bool)
+    plain[added] = False
+    plain = plain.nonzero().flatten()  # the ids no added token (an image placeholder among them) holds
+    drawn = probe_tokens(vocab_size, rows=rows, length=length, seed=seed)
+    drawn = torch.where(torch.isin(drawn, added), plain[drawn % len(plain)], drawn)
+    ids, images = [], []
+    for r in range(rows):
+        pixels = torch.randint(0, 256, (56, 56, 3), generator=g, dtype=torch.uint8).numpy()
+        picture = Image.fromarray(pixels, "RGB")
+        out = processor(text=[mark], images=[[picture]], return_tensors="pt")
+        tensors = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        digest = hashlib.sha256(repr(picture.size).encode() + picture.tobytes()).hexdigest()
+        images.append(Images(pictures=(picture,), tensors=tensors, digest=digest))
+        ids.append(out["input_ids"][0].tolist() + drawn[r].tolist())
+    if len({len(row) for row in ids}) != 1:
+        raise ValueError("the probe's pictures expanded to different numbers of placeholders")
+    return torch.tensor(ids), tuple(images)
 
 
 def probe_gap(engine_logp: Tensor, learner_logp: Tensor) -> float:

@@ -73,6 +73,16 @@ language model: transformers loads it as `Qwen3_5ForCausalLM`, which computes ex
 text; rlkit's checkpoints then hold the language model alone, without the vision tower
 (`tests/rollout/test_vl_checkpoint_text.py`); vLLM refuses it where it refuses the text Qwen3.5.
 
+Images on the vLLM engine (issue 58; the data path, the HF engine and the learner with images are their own
+work): a prompt's pictures go to vLLM as multi-modal data, vLLM expands their placeholders itself and the engine
+checks that the ids it expanded are the model processor's, the ids the learner trains on; vLLM's prefix cache is
+keyed by the pictures' content. Runs on vLLM's CPU build: Idefics3 (tiles and global view), engine against a
+transformers forward on the processor's tensors within 1e-6 in fp32, pushes of the vision tower (or, with it
+frozen, a push without it, checked unchanged) and the log-prob probe on prompts with a picture
+(`tests/rollout/test_vllm_images.py`). Refused at start-up, with the reason: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
+SmolVLM where their HF processor does not load (it needs torchvision, which the CPU install removes), every other
+vision-language family (Gemma 3, Llava, ...: no placeholder rule yet).
+
 Packing (`trainer.pack_sequences`): for every family the learner's packed and padded layouts give each row's
 log-probs and gradients as the row run alone (`tests/learner/test_packing_families.py`), or packing is off for
 the model, said once at start-up: the hybrids (a packed row would start from the previous row's state, which

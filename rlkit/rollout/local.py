@@ -32,8 +32,10 @@ from rlkit.weights import (
     Export,
     check_engine,
     check_probe,
+    learner_probe,
     probe_bound,
     probe_gap,
+    probe_input,
     probe_tokens,
     push_weights,
     verify_push,
@@ -159,10 +161,10 @@ class LocalRollouts:
         rank): `check_engine_probe`; None (and no learner forward) where the engine is not probed."""
         if not self._probed(export):
             return None
-        tokens = probe_tokens(export.probe_vocab)
+        tokens, images = probe_input(export)  # a prompt with a picture per row for a vision-language policy
         return check_engine_probe(
-            self.engine, export.probe(tokens), export.probe_dtype, self.cfg.rollout.accept_engine_gap,
-            when=when, at_load=at_load, tokens=tokens,
+            self.engine, learner_probe(export, tokens, images), export.probe_dtype,
+            self.cfg.rollout.accept_engine_gap, when=when, at_load=at_load, tokens=tokens, images=images,
         )  # fmt: skip
 
     def evaluate(self, version: int) -> dict[str, float]:
@@ -222,18 +224,20 @@ def engine_platform(engine) -> str:
 
 def check_engine_probe(
     engine, learner_logprobs, learner_dtype, accepted: float | None, *, when: str, at_load: bool = False,
-    tokens=None,
+    tokens=None, images=None,
 ) -> float | None:  # fmt: skip
     """The log-prob probe, where the engine lives (this process, or an async rollout worker): the engine's
     log-probs of `tokens` (the learner's, `rlkit.weights.probe_tokens`) against the learner's, within the bound of
     the two dtypes on the engine's platform or the gap the run accepted (`rollout.accept_engine_gap`);
     `WeightSyncError` otherwise. Returns the gap, or None for an engine without prompt log-probs (the HF engine,
     checked tensor for tensor instead). `at_load`: the weights the engine loaded itself (a gap is then its
-    forward's, not a push's)."""
+    forward's, not a push's). `images`: each row's pictures (rlkit.weights.vl_probe_prompt), for a
+    vision-language policy."""
     if not hasattr(engine, "prompt_logprobs"):
         return None
     tokens = probe_tokens() if tokens is None else tokens
-    gap = probe_gap(engine.prompt_logprobs(tokens), learner_logprobs)
+    held = engine.prompt_logprobs(tokens) if images is None else engine.prompt_logprobs(tokens, images)
+    gap = probe_gap(held, learner_logprobs)
     bound = probe_bound(learner_dtype, engine.weight_dtype, platform=engine_platform(engine))
     check_probe(gap, bound, when=when, engine=engine.name, accepted=accepted, at_load=at_load)
     return gap

@@ -40,7 +40,15 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
             if all(b.token_versions is not None for b in parts)
             else None
         ),
+        images=_stacked_images(parts),
     )
+
+
+def _stacked_images(parts: list[RolloutBatch]) -> tuple | None:
+    """The parts' per-row images in row order (None on the rows of a part without images); None if no part has any."""
+    if all(b.images is None for b in parts):
+        return None
+    return tuple(x for b in parts for x in (b.images if b.images is not None else (None,) * b.num_samples))
 
 
 def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
@@ -60,6 +68,7 @@ def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
         response_texts=tuple(rb.response_texts[i] for i in rows) if rb.response_texts else (),
         stats={},
         token_versions=rb.token_versions[idx] if rb.token_versions is not None else None,
+        images=tuple(rb.images[i] for i in rows) if rb.images is not None else None,
     )
 
 

@@ -51,7 +51,7 @@ def test_staleness_zero_equals_sync_and_every_push_reaches_the_worker(tiny, tmp_
 
     probes = []
     for module in (local, client):
-        monkeypatch.setattr(module, "probe_tokens", lambda *a, **k: probes.append(1))
+        monkeypatch.setattr(module, "probe_input", lambda *a, **k: probes.append(1))
     common = ("trainer.lr=0.05", "trainer.steps=3", "rollout.weight_sync_kl_threshold=1e-4")
     sync = train(tiny, tmp_path / "sync", *common, "algo.rollout_is.enabled=true")
     asyn = train(tiny, tmp_path / "async", *common, "trainer.mode=async", "trainer.max_staleness=0")

@@ -47,11 +47,11 @@ def test_inflight_recompute_run_has_mixed_rows_within_the_staleness_bound(tiny12
     flags = tmp_path / "flags"
     flags.mkdir()
     batches, real_produce, real_send, sends = [], AsyncRollouts.produce, client.send_weights, []
-    real_probe_tokens, probes = client.probe_tokens, []
+    real_probe_input, probes = client.probe_input, []
 
-    def spy_probe_tokens(*args, **kwargs):
+    def spy_probe_input(*args, **kwargs):
         probes.append(1)
-        return real_probe_tokens(*args, **kwargs)
+        return real_probe_input(*args, **kwargs)
 
     def spy_produce(self, step, timers):
         sb = real_produce(self, step, timers)
@@ -68,7 +68,7 @@ def test_inflight_recompute_run_has_mixed_rows_within_the_staleness_bound(tiny12
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(AsyncRollouts, "produce", spy_produce)
         mp.setattr(client, "send_weights", spy_send)
-        mp.setattr(client, "probe_tokens", spy_probe_tokens)
+        mp.setattr(client, "probe_input", spy_probe_input)
         hist = train(
             tiny128, tmp_path / "run", *INFLIGHT, "trainer.steps=2", "env.name=rlkit_test_envs:Gated",
             f"+env.kwargs.flags={flags}",

@@ -79,7 +79,7 @@ from rlkit.rollout.remote.wire import bridge
 from rlkit.rollout.remote.worker import worker_main
 from rlkit.rollout.scored import merge_scored, split_scored
 from rlkit.rundir import PENDING_FILE
-from rlkit.weights import Export, probe_tokens, send_weights
+from rlkit.weights import Export, learner_probe, probe_input, send_weights
 
 log = logging.getLogger(__name__)
 
@@ -312,14 +312,14 @@ class AsyncRollouts:
                 self._raise_if_a_worker_exited(wait_s=EXIT_WAIT_S)
             raise
         # The learner's side of the log-prob probe (every rank: FSDP2 gathers), checked by each worker
-        probe = tokens = None
+        probe = tokens = images = None
         if self.cfg.rollout.verify_push and export.probe is not None and self._probed():
-            tokens = probe_tokens(export.probe_vocab)
-            probe = export.probe(tokens)
+            tokens, images = probe_input(export)  # a picture per row for a vision-language policy
+            probe = learner_probe(export, tokens, images)
         if digests is not None:  # each worker checks its engine against what was sent
             dtype = str(export.probe_dtype).removeprefix("torch.")
             for q in self.ctrl:
-                q.put(dumps(Digests(version, digests, probe, dtype, tokens)))
+                q.put(dumps(Digests(version, digests, probe, dtype, tokens, images)))
         return stats
 
     def _probed(self) -> bool:

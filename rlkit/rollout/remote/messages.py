@@ -9,7 +9,7 @@ learner is reading and whatever is still queued on the results queue.
 
 Nothing is unpickled. `encode` turns a message into a tree of tensors, bools, ints, floats, strs, None,
 lists and str-keyed dicts: a dataclass becomes `{"__type__": its name, field: value, ...}` and a tuple
-`{"__tuple__": [...]}`. On a queue the tree travels as `torch.save` bytes read back with
+`{"__tuple__": [...]}`, a prompt's picture (PIL) `{"__picture__": [H, W, 3] uint8 pixels}`. On a queue the tree travels as `torch.save` bytes read back with
 `torch.load(weights_only=True)` (so no shared-memory handle outlives its sender either); the pending
 batches of a checkpoint are a safetensors file holding the tree's tensors, with the rest of the tree as
 JSON in its header. `decode` rebuilds only the dataclasses listed in `TYPES` and refuses any other tag, and
@@ -24,11 +24,12 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlkit.batch import RolloutBatch, ScoredBatch
+from rlkit.batch import Images, RolloutBatch, ScoredBatch
 from rlkit.weights import Manifest
 
 
@@ -70,6 +71,8 @@ class Digests:
     """The dtype the learner computed `probe` in (its bound: rlkit.weights.probe_bound)."""
     probe_tokens: torch.Tensor | None = None
     """The fixed tokens `probe` was computed on (rlkit.weights.probe_tokens over the learner's probe_vocab)."""
+    probe_images: tuple | None = None
+    """Each probe row's rlkit.batch.Images, for a vision-language policy (rlkit.weights.vl_probe_prompt), or None."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +154,7 @@ class Pending:
     """The worker's phase timers (timing/generate_s, timing/reward_s, ...)."""
 
 
-TYPES = {cls.__name__: cls for cls in (*MESSAGES, Pending, ScoredBatch, RolloutBatch)}
+TYPES = {cls.__name__: cls for cls in (*MESSAGES, Pending, ScoredBatch, RolloutBatch, Images)}
 
 
 # -- the encoding ------------------------------------------------------------------------------------
@@ -172,6 +175,8 @@ def encode(obj):
         return {"__type__": type(obj).__name__, **fields}
     if isinstance(obj, tuple):
         return {"__tuple__": [encode(v) for v in obj]}
+    if _is_picture(obj):  # a prompt's picture (rlkit.batch.Images.pictures): its RGB pixels, [H, W, 3] uint8
+        return {"__picture__": torch.from_numpy(np.array(obj.convert("RGB"), dtype=np.uint8))}
     if isinstance(obj, list):
         return [encode(v) for v in obj]
     if isinstance(obj, dict):
@@ -190,6 +195,8 @@ def decode(tree):
         return tree
     if "__tuple__" in tree:
         return tuple(decode(v) for v in tree["__tuple__"])
+    if "__picture__" in tree:
+        return _picture(tree["__picture__"])
     if "__type__" not in tree:
         return {key: decode(v) for key, v in tree.items()}
     name = tree["__type__"]
@@ -201,6 +208,24 @@ def decode(tree):
         return cls(**fields)
     except (TypeError, ValueError) as e:
         raise MessageError(f"a {name} with fields {sorted(fields)} is malformed: {e}") from None
+
+
+def _is_picture(obj) -> bool:
+    return type(obj).__module__.startswith("PIL.") and hasattr(obj, "convert") and hasattr(obj, "size")
+
+
+def _picture(pixels):
+    """The PIL picture of `[H, W, 3]` uint8 pixels; anything else raises MessageError."""
+    from PIL import Image
+
+    if (
+        not isinstance(pixels, torch.Tensor)
+        or pixels.dtype != torch.uint8
+        or pixels.dim() != 3
+        or pixels.shape[2] != 3
+    ):
+        raise MessageError(f"a picture must be [H, W, 3] uint8 pixels, got {type(pixels).__name__}")
+    return Image.fromarray(pixels.numpy(), "RGB")
 
 
 def dumps(msg) -> bytes:

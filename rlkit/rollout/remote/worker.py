@@ -209,7 +209,7 @@ class _Server:
                 when = "after the first push" if first else f"after the push of version {sent.version}"
                 check_engine_probe(
                     engine, sent.probe, getattr(torch, sent.probe_dtype), self.rollouts.cfg.rollout.accept_engine_gap,
-                    when=when, at_load=first, tokens=sent.probe_tokens,
+                    when=when, at_load=first, tokens=sent.probe_tokens, images=sent.probe_images,
                 )  # fmt: skip
         self.version = msg.version
         if in_flight:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 from torch import Tensor
 
-from rlkit.batch import RolloutBatch
+from rlkit.batch import Images, RolloutBatch
 from rlkit.gcpolicy import older_objects_frozen, one_collection_after
 from rlkit.models import load_tokenizer, resolve_model
 from rlkit.rollout.engines.base import (
@@ -41,6 +41,13 @@ from rlkit.rollout.engines.base import (
     record_throughput,
 )
 from rlkit.rollout.engines.vllm.classes import TransformersClassesRestored, compiled_transformers_backend
+from rlkit.rollout.engines.vllm.images import (
+    VLPrompts,
+    check_expanded,
+    is_vision_language,
+    vision_side,
+    vllm_requests,
+)
 from rlkit.rollout.engines.vllm.logs import quiet_build_logs, quiet_push_logs
 from rlkit.rollout.engines.vllm.memory import memory_plan
 from rlkit.rollout.engines.vllm.outputs import request_outputs_to_batch, span_versions
@@ -149,7 +156,7 @@ class VLLMEngine:
         run_tokenizer=None,
         **llm_kwargs,
     ):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         # Importing vllm and building the engine change the process (see contained_side_effects).
         with contained_side_effects(), quiet_build_logs() as quieted:
@@ -187,6 +194,8 @@ class VLLMEngine:
 
             config = hf_config(model_path)
             enable_prefix_caching = prefix_caching(config, enable_prefix_caching)
+            # A vision-language checkpoint (vllm_can_run refused the families rlkit cannot give images here).
+            self.vision_language = is_vision_language(config)
             # Colocated: the learner's model shares this process's transformers classes (vllm/classes.py).
             refusal = colocated and compiled_transformers_backend(
                 config, enforce_eager=enforce_eager, llm_kwargs=llm_kwargs
@@ -206,8 +215,10 @@ class VLLMEngine:
             # The names and shapes a push must bring (as the learner yields them) and their tied aliases,
             # from a weightless copy of the checkpoint's model.
             with torch.device("meta"):
-                meta = AutoModelForCausalLM.from_config(config)
+                auto = AutoModelForImageTextToText if self.vision_language else AutoModelForCausalLM
+                meta = auto.from_config(config)
             self.manifest = module_manifest(meta)
+            self._vision_side = vision_side(meta) if self.vision_language else set()
             self._aliases = {n: [vllm_weight_name(a) for a in al] for n, al in tied_aliases(meta).items()}
             self._push_guard = PushGuard(self.name)
             self.on_cpu = on_cpu
@@ -217,6 +228,8 @@ class VLLMEngine:
             directory, gguf_file = resolve_model(model_path)
             # rlkit's copy (pad id, decoding); vLLM loads its own inside the LLM from the same directory.
             self.tokenizer = run_tokenizer if run_tokenizer is not None else load_tokenizer(model_path)
+            # How a prompt's images reach vLLM (None: a text model, which a prompt with images is refused by).
+            self._vl = VLPrompts(config, self.tokenizer) if self.vision_language else None
             self.pad_id = self.tokenizer.pad_token_id
             self.rank, _ = launcher_env()
             self._owns_dist = not torch.distributed.is_initialized()
@@ -314,13 +327,16 @@ class VLLMEngine:
         # As `llm.generate` orders them (request ids count up); request_outputs_to_batch checks each prompt.
         return sorted(finished, key=lambda out: int(out.request_id))
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> RolloutBatch:
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: Sampling, images: list[Images | None] | None = None
+    ) -> RolloutBatch:
         """Sample `n` completions per prompt; the `n` rows of prompt i are contiguous. See HFEngine.
 
-        `token_versions` come from vLLM's per-token weight-version spans; with in-flight updates allowed
-        (`allow_inflight_updates`) a row may span several versions."""
-        from vllm.inputs import TokensPrompt
-
+        `images` (aligned with `prompts`, rlkit.batch.Images or None per prompt) go to vLLM as multi-modal data;
+        the batch's prompt ids are the given ones, which vLLM's own expansion of the placeholders must reproduce
+        (checked), and each row's `images` is its prompt's object. `token_versions` come from vLLM's per-token
+        weight-version spans; with in-flight updates allowed (`allow_inflight_updates`) a row may span several
+        versions."""
         check_generate_args(prompts, n, self.context)
         self._push_guard.check()
         if self._weights_lost:
@@ -338,15 +354,20 @@ class VLLMEngine:
         params = [sampling_params_from(sampling, n, seed=base + i * n) for i in range(len(prompts))]
         # keep_kv: a new request never reuses prefix blocks that older weights computed.
         salt = {"cache_salt": f"rlkit-v{self.version}"} if self.inflight == "keep_kv" else {}
-        requests = [TokensPrompt(prompt_token_ids=p, **salt) for p in prompts]
+        requests = vllm_requests(prompts, images, self._vl, **salt)
         t0 = time.perf_counter()
         if self._between_steps is None:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         else:
             outputs = self._run_stepwise(requests, params)
         seconds = time.perf_counter() - t0
+        check_expanded(outputs, prompts, images)
         fallback = None if self._between_steps is not None else self.version
         batch = request_outputs_to_batch(outputs, prompts, n, self.pad_id, version=fallback)
+        if images is not None and any(x is not None for x in images):
+            batch = dataclasses.replace(
+                batch, images=tuple(images[row // n] for row in range(len(prompts) * n))
+            )
         return record_throughput(batch, seconds)
 
     @torch.no_grad()
@@ -363,10 +384,22 @@ class VLLMEngine:
         layer's kernel-format processing, plus the CPU expert prepack vLLM skips on an update); a layer that
         received none or part of its weights is a `WeightSyncError` naming it. Resets the prefix cache
         afterwards (cached KV blocks were computed with the old weights).
-        """
 
+        A vision-language model's push may leave out its vision side (tower and connector, `images.vision_side`)
+        when the learner freezes it (`model.freeze_vision`): `manifest` then lacks those tensors, vLLM keeps them,
+        and they are checked unchanged after every such push (`PushBook.check_frozen`, digests of vLLM's tensors
+        under the model's own tower and connector prefixes that the push did not write).
+        """
+        expected, frozen = self.manifest, []
         if manifest is not None:
-            check_manifest(manifest, self.manifest, engine=self.name)
+            left = [n for n in self.manifest if n not in manifest]
+            if left and set(left) <= self._vision_side:
+                frozen = left
+                expected = {n: shape for n, shape in self.manifest.items() if n in manifest}
+            check_manifest(manifest, expected, engine=self.name)
+        prefixes = tuple(self._book.vision_prefixes(self.llm)) if frozen else ()
+        if frozen:
+            self._book.freeze(self.llm, prefixes)
         if self._asleep and not self._weights_awake:
             # The weights must be mapped on the GPU before writing into them (the KV cache stays freed).
             self.llm.wake_up(tags=["weights"])
@@ -382,7 +415,11 @@ class VLLMEngine:
             try:
                 reports = self.llm.collective_rpc(
                     worker_reload,
-                    kwargs={"weights": in_checkpoint_format(stream), "layouts": self._book.layouts},
+                    kwargs={
+                        "weights": in_checkpoint_format(stream),
+                        "layouts": self._book.layouts,
+                        "frozen": prefixes,
+                    },
                 )
             except BaseException:
                 # vLLM left its layer-by-layer reload open; close it so that the next push starts clean
@@ -394,26 +431,29 @@ class VLLMEngine:
 
         start = time.perf_counter()
         with quiet_push_logs() as quieted:  # vLLM's per-push lines: one rlkit debug line below
-            count = self._push_guard.run(copy, named_tensors, self.manifest)
+            count = self._push_guard.run(copy, named_tensors, expected)
             self._weights_lost = False
             self.llm.reset_prefix_cache()
+            if self.vision_language:  # image embeddings the old vision tower computed (scheduler and runner)
+                self.llm.llm_engine.reset_encoder_cache()
+        self._book.check_frozen(self.llm, frozen)
         log.debug(
             "vLLM push: %d tensors in %.3f s (%s)", count, time.perf_counter() - start, "; ".join(quieted)
         )
         return count
 
-    def prompt_logprobs(self, tokens: Tensor) -> Tensor:
+    def prompt_logprobs(self, tokens: Tensor, images: list[Images | None] | None = None) -> Tensor:
         """[N, L-1] float32: the log-prob of `tokens[:, 1:]` given their prefixes under the weights held now
         (temperature 1, no truncation: vLLM's prompt log-probs skip the sampling processors), for the push's
-        log-prob probe (rlkit.weights.probe_gap)."""
+        log-prob probe (rlkit.weights.probe_gap); `images` as in `generate` (each row's placeholders expanded)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._push_guard.check()
         self.wake()
         rows = tokens.tolist()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        outputs = self.llm.generate(vllm_requests(rows, images, self._vl), params, use_tqdm=False)
+        check_expanded(outputs, rows, images)
         return torch.tensor(
             [
                 [out.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))]

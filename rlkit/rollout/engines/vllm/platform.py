@@ -13,6 +13,7 @@ import torch
 
 from rlkit.collectives import free_port
 from rlkit.models import resolve_model, stateful_layers
+from rlkit.rollout.engines.vllm.images import vl_refusal
 from rlkit.rollout.engines.vllm.logs import quiet_build_logs
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,9 @@ def vllm_default(name: str):
 def vllm_can_run(model_path: str | None = None, dtype: str | torch.dtype | None = None) -> tuple[bool, str]:
     """(whether vLLM runs here, why or why not): a CUDA/ROCm or CPU platform, and on CPU an attention
     head size its CPU attention kernels support (vLLM 0.32: multiples of 16 from 32 to 256, and 512); for a model
-    with layers that carry state across positions (a hybrid family), what `hybrid_refusal` measured. `dtype`:
-    the engine's (model.dtype), where known; None checks nothing that depends on it.
+    with layers that carry state across positions (a hybrid family), what `hybrid_refusal` measured; never a
+    vision-language family whose images rlkit cannot pass to vLLM here (rlkit.rollout.engines.vllm.images.
+    vl_refusal). `dtype`: the engine's (model.dtype), where known; None checks nothing that depends on it.
 
     Only a failure to import vllm reads "vllm does not import"; any other error of the check raises."""
     try:
@@ -109,6 +111,9 @@ def vllm_can_run(model_path: str | None = None, dtype: str | torch.dtype | None 
         refusal = hybrid_refusal(config, dtype, on_cpu=current_platform.is_cpu())
         if refusal:
             return False, refusal
+    refusal = vl_refusal(config, resolve_model(model_path)[0]) if config is not None else None
+    if refusal:
+        return False, refusal
     if current_platform.is_cpu() and config is not None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -213,7 +218,8 @@ def hf_config(model_path: str):
 
 
 def head_dim(config) -> int | None:
-    """The attention head size of a transformers config."""
+    """The attention head size of a transformers config (its language model's, for a vision-language one)."""
+    config = config.get_text_config()
     head = getattr(config, "head_dim", None)
     if head is None and getattr(config, "num_attention_heads", None):
         head = config.hidden_size // config.num_attention_heads

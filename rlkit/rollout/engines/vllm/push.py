@@ -26,6 +26,7 @@ from rlkit.rollout.engines.vllm.reload import (
     worker_held_digests,
     worker_module_names,
     worker_tensors,
+    worker_vision_prefixes,
 )
 from rlkit.weights import WeightSyncError, engine_sources
 
@@ -41,11 +42,17 @@ class PushBook:
                 self.origins[alias] = [name]
         self.loads: dict[str, list[str]] = {}
         self.layouts = Layouts()  # the content check's maps and this push's expected digests
+        self.last_loads: dict[str, list[str]] = {}  # what the last push's loaders wrote
         self.received: dict[str, str] | None = (
             None  # {learner name: digest} of the last push; None before one
         )
         self._modules: set[str] | None = None
         self._held: list[str] | None = None
+        self._prefixes: list[str] | None = None
+        self._frozen: dict[str, str] | None = None  # {vLLM tensor: digest} of the frozen vision side, as kept
+        self.unwritten: set[str] = (
+            set()
+        )  # vLLM tensors the last push left out on purpose (a frozen vision side)
 
     def checkpoint_stream(self, llm, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """`named` (in-memory names) in checkpoint names and layouts, with the aliases vLLM's model has."""
@@ -72,6 +79,7 @@ class PushBook:
 
     def record(self, report: dict) -> None:
         """Keep what the reload's loaders wrote; raise naming the layers it left stale."""
+        self.last_loads = report["loads"]
         for ck, targets in report["loads"].items():
             self.loads[ck] = sorted(set(self.loads.get(ck, ())) | set(targets))
         stale = report["missed"] + report["partial"]
@@ -84,6 +92,42 @@ class PushBook:
                 f"weights' and keeps the old ones), {len(report['partial'])} only part of them. vLLM "
                 f"{vllm.__version__}'s in-place reload does not update this model's layers on the {self.platform} "
                 "platform: train it with rollout.engine=hf"
+            )
+
+    def vision_prefixes(self, llm) -> list[str]:
+        """vLLM's module prefixes of the vision tower and connector (the model's `get_mm_mapping()`)."""
+        if self._prefixes is None:
+            self._prefixes = llm.collective_rpc(worker_vision_prefixes)[0]
+        return self._prefixes
+
+    def _under(self, llm, prefixes) -> list[str]:
+        """vLLM's tensors under `prefixes`: held ones, and the content check's (a repacked CPU linear's weight is
+        emptied, read back from its kernel)."""
+        names = set(self.held(llm)) | set(self.layouts.targets())
+        return sorted(n for n in names if any(n.startswith(f"{p}.") for p in prefixes))
+
+    def freeze(self, llm, prefixes) -> None:
+        """Before a push that leaves the vision side out: the digests it must keep (taken at the first such push
+        after one that brought it)."""
+        if self._frozen is None:
+            self._frozen = self.digests(llm, set(self._under(llm, prefixes)))
+
+    def check_frozen(self, llm, frozen: list[str]) -> None:
+        """After a push: with the vision side left out (`frozen`, learner names), every vLLM tensor under its
+        prefixes that no loader wrote holds what it held when it was frozen (`WeightSyncError` naming them);
+        a push that brought the vision side ends the frozen state."""
+        if not frozen:
+            self._frozen, self.unwritten = None, set()
+            return
+        written = {t for targets in self.last_loads.values() for t in targets}
+        kept = {n: d for n, d in self._frozen.items() if n.split("#")[0] not in written}
+        self.unwritten = {n.split("#")[0] for n in kept}  # checked here, not by the push's content check
+        now = self.digests(llm, self.unwritten)
+        changed = sorted(n for n, d in kept.items() if now.get(n) != d)
+        if changed or not kept:
+            raise WeightSyncError(
+                f"the push left the frozen vision side out ({len(frozen)} tensors, e.g. {frozen[:2]}), but vLLM's "
+                f"{changed[:3] or 'vision tensors'} ({len(changed)}) did not keep their weights"
             )
 
     def held(self, llm) -> list[str]:
@@ -111,7 +155,11 @@ class PushBook:
 
     def expected(self) -> dict[str, str]:
         """{vLLM tensor: the digest of what the last push's loaders wrote into it}, for the content check."""
-        return expected_digests(self.layouts) if self.layouts.mapped else {}
+        if not self.layouts.mapped:
+            return {}
+        return {
+            t: d for t, d in expected_digests(self.layouts).items() if t.split("#")[0] not in self.unwritten
+        }
 
     def sources(self, llm) -> dict[str, list[str]]:
         """{vLLM tensor hashed: the learner tensors it is built from}, as the pushes so far recorded them."""

@@ -148,9 +148,23 @@ def _unloaded(model) -> tuple[list[str], list[str]]:
             ]
             if persistent:
                 missed.append(path)
-        elif info.load_numel < info.load_numel_total:
+        elif info.load_numel < _loadable(layer, info.load_numel_total):
             partial.append(path)
     return missed, partial
+
+
+def _loadable(layer, total: int) -> int:
+    """The elements a checkpoint can fill in a layer of `total`: a vocabulary-parallel embedding or output head
+    holds padding rows beyond the vocabulary (vLLM pads it to a multiple of 64: a tokenizer with added tokens, as
+    the vision-language ones have), which no checkpoint holds and no token reads (vLLM processes such a layer at
+    the end of the reload, as its own `finalize_layerwise_processing` says)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if not isinstance(layer, VocabParallelEmbedding):
+        return total
+    rows = layer.shard_indices
+    padding = rows.num_org_vocab_padding + rows.num_added_vocab_padding
+    return total - padding * layer.embedding_dim
 
 
 def _redo_cpu_expert_prepack(model, touched: set[str]) -> list[str]:
@@ -199,20 +213,32 @@ def _refresh_cpu_conv_views(model, touched: set[str]) -> list[str]:
     return done
 
 
-def worker_reload(worker, weights, layouts: Layouts | None = None) -> dict:
+def worker_reload(worker, weights, layouts: Layouts | None = None, frozen: tuple[str, ...] = ()) -> dict:
     """Runs in the worker: reload `weights` (checkpoint names and layouts) in place; see the module docstring.
     With `layouts`, what each loader receives is digested there (rlkit/rollout/engines/vllm/content.py).
 
     Inside `set_current_vllm_config(worker.vllm_config)`, as vLLM's own `Worker.reload_weights` runs it: the
     layers' weight loaders and post-load processing (quantised methods, custom ops) read the current config, and
-    vLLM 0.32's `get_current_vllm_config` asserts outside that context."""
+    vLLM 0.32's `get_current_vllm_config` asserts outside that context. `frozen`: module prefixes the push leaves
+    out on purpose (a frozen vision tower, `worker_vision_prefixes`): their layers keep their tensors (vLLM puts
+    the old ones back) and are not reported `missed`."""
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config):
-        return _reload(worker, weights, layouts)
+        return _reload(worker, weights, layouts, frozen)
 
 
-def _reload(worker, weights, layouts: Layouts | None) -> dict:
+def worker_vision_prefixes(worker) -> list[str]:
+    """Runs in the worker: the module prefixes of its model's vision tower and connector, from the model's own
+    `get_mm_mapping()` (vLLM's multi-modal models); empty for a model without one."""
+    model = worker.model_runner.get_model()
+    if not hasattr(model, "get_mm_mapping"):
+        return []
+    keys = model.get_mm_mapping()
+    return [p.rstrip(".") for p in [*keys.tower_model, *keys.connector]]
+
+
+def _reload(worker, weights, layouts: Layouts | None, frozen: tuple[str, ...] = ()) -> dict:
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -234,6 +260,7 @@ def _reload(worker, weights, layouts: Layouts | None) -> dict:
         finally:
             _RECORDING.update(loads=None, current=None)
         missed, partial = _unloaded(model)
+        missed = [m for m in missed if not any(m == f or m.startswith(f"{f}.") for f in frozen)]
         finalize_layerwise_reload(model, worker.model_config)  # (layers processed late are still watched)
     finally:
         _RECORDING.update(layouts=None)
@@ -249,9 +276,12 @@ def _reload(worker, weights, layouts: Layouts | None) -> dict:
         layouts.skipped |= {t for t in layouts.shapes if any(t.startswith(f"{p}.") for p in prepacked)}
         if not layouts.mapped and not missed and not partial:
             finish_map(model, layouts)
-    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-        if hasattr(runner, reset):
-            getattr(runner, reset)()
+    # (The encoder cache, image embeddings computed with the old weights, is reset by the engine through vLLM's
+    # engine core, which clears the scheduler's record of it with the runner's: a runner-only reset leaves the
+    # scheduler sure an image is encoded, and the next prompt with it fails "Encoder cache miss". The multi-modal
+    # input cache holds processed pixels, which no weight changes.)
+    if hasattr(runner, "reset_lora_state"):
+        runner.reset_lora_state()
     return {"loads": {k: sorted(v) for k, v in loads.items()}, "missed": missed, "partial": partial,
             "prepacked": prepacked, "conv_views": conv_views}  # fmt: skip
 
