@@ -267,6 +267,7 @@ class Learn:
             rollout_logprobs=rb.rollout_logprobs.to(self.device).float() if a.rollout_kl_coef > 0 else None,
             is_weights=prepared.is_weights,
             token_versions=rb.token_versions.to(self.device) if rb.token_versions is not None else None,
+            routed_experts=rb.routed_experts.to(self.device) if rb.routed_experts is not None else None,
             values=scores.values if a.value_model else None,
             returns=prepared.returns,
         )

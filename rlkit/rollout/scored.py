@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from rlkit.batch import NO_VERSION, SUMMED_STATS, RolloutBatch, ScoredBatch
+from rlkit.batch import NO_VERSION, SUMMED_STATS, RolloutBatch, ScoredBatch, pad_routes
 
 
 def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -40,7 +40,17 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
             if all(b.token_versions is not None for b in parts)
             else None
         ),
+        routed_experts=(
+            torch.cat([_repad_routes(b, P, T) for b in parts])
+            if all(b.routed_experts is not None for b in parts)
+            else None
+        ),
     )
+
+
+def _repad_routes(b: RolloutBatch, P: int, T: int):
+    p, t = b.prompt_ids.shape[1], b.response_ids.shape[1]
+    return pad_routes(b.routed_experts, P - p, T - t)
 
 
 def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
@@ -60,6 +70,7 @@ def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
         response_texts=tuple(rb.response_texts[i] for i in rows) if rb.response_texts else (),
         stats={},
         token_versions=rb.token_versions[idx] if rb.token_versions is not None else None,
+        routed_experts=rb.routed_experts[idx] if rb.routed_experts is not None else None,
     )
 
 
