@@ -104,8 +104,8 @@ def check_routes(routes: Tensor | None, prompt_ids: Tensor, response_ids: Tensor
 
 def pad_routes(routes: Tensor, left: int, right: int) -> Tensor:
     """`routes` [N, P + T, L, k] re-padded like the tokens: `left` columns before the prompt, `right` after the
-    response (expert 0 at the padding, which no forward reads unmasked)."""
-    return torch.nn.functional.pad(routes, (0, 0, 0, 0, left, right), value=0) if left or right else routes
+    response (-1 there: no route)."""
+    return torch.nn.functional.pad(routes, (0, 0, 0, 0, left, right), value=-1) if left or right else routes
 
 
 def select_rows(rows: tuple, index: Tensor | slice) -> tuple:
@@ -174,13 +174,19 @@ class Sequences(_RowOps):
     response_mask: Tensor
     images: tuple[Images | None, ...] | None = None
     """Per row, the prompt's images (None for a text-only row); None when no row has any."""
+    routed_experts: Tensor | None = None
+    """[N, P + T, L, k], the engine's routes the learner replays (RolloutBatch.routed_experts)."""
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])
+        check_routes(self.routed_experts, self.prompt_ids, self.response_ids)
 
     @classmethod
     def of(cls, batch) -> Sequences:
-        return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.images)
+        return cls(
+            batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.images,
+            getattr(batch, "routed_experts", None),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,8 @@ class RolloutBatch:
     """Per row, the prompt's images (the group's rows share one object); None when no row has any."""
     routed_experts: Tensor | None = None
     """[N, P + T, L, k] int16, the experts the engine's MoE layers routed each token to (prompt and response
-    positions, laid out as `cat([prompt_ids, response_ids], 1)`; 0 at padding): what the learner's routers
+    positions, laid out as `cat([prompt_ids, response_ids], 1)`; -1 where the engine routed nothing: padding and
+    the last response token): what the learner's routers
     replay (`algo.routing_replay`); None when off."""
 
     def __post_init__(self):

@@ -17,10 +17,17 @@ Routes are laid out like the input ids: [rows, columns, MoE layers, k], one entr
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
+import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+
+from rlkit.config.schema import ConfigError
+from rlkit.models import resolve_model
 
 
 def _renormalises(router: nn.Module) -> bool:
@@ -77,7 +84,11 @@ class RouterHooks:
                 return None
             k = indices.shape[-1]
             routes = self._replay[..., layer, :].reshape(-1, k).to(device=indices.device, dtype=torch.long)
-            if routes.shape != indices.shape:
+            if (
+                routes.shape == indices.shape
+            ):  # -1: no engine route (padding, the last token): the learner's own
+                routes = torch.where(routes >= 0, routes, indices)
+            else:
                 raise ValueError(
                     f"routing replay: routes for {routes.shape[0]} tokens x {routes.shape[1]} experts, "
                     f"but MoE layer {layer} routes {indices.shape[0]} x {k} (the routes must be laid out as "
@@ -88,15 +99,21 @@ class RouterHooks:
 
         return hook
 
-    @contextmanager
-    def replay(self, routes: Tensor):
-        """Within the context, every router uses `routes` [rows, columns, layers, k] (forward and backward)."""
-        if routes.dim() != 4 or routes.shape[2] != self.layers:
+    def set(self, routes: Tensor | None) -> None:
+        """Every forward from now on replays `routes` [rows, columns, layers, k] (None: the model routes), until
+        the next `set`: so the recomputation of a gradient-checkpointed forward, in the backward after it,
+        replays them too. Entries -1 leave the router's own choice (positions the engine did not route)."""
+        if routes is not None and (routes.dim() != 4 or routes.shape[2] != self.layers):
             raise ValueError(
                 f"routing replay: routes of shape {tuple(routes.shape)}; expected [rows, columns, {self.layers}, k] "
                 f"(the model has {self.layers} MoE layers)"
             )
         self._replay = routes
+
+    @contextmanager
+    def replay(self, routes: Tensor):
+        """Within the context, every router uses `routes` (see `set`; forward and backward inside)."""
+        self.set(routes)
         try:
             yield
         finally:
@@ -123,3 +140,70 @@ class _Recording:
         layers = self.hooks.layers
         last = self.chunks[-layers:]
         return torch.stack(last, dim=1).reshape(rows, columns, layers, -1).to(torch.int16)
+
+
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def install(model: nn.Module) -> RouterHooks:
+    """Hooks on `model`'s routers, found again by `set_routes(model, ...)` (once per model)."""
+    if model not in _INSTALLED:
+        _INSTALLED[model] = RouterHooks(model)
+    return _INSTALLED[model]
+
+
+def set_routes(model: nn.Module, routes: Tensor | None) -> None:
+    """The routes `model`'s next forwards replay (`RouterHooks.set`); a model without hooks (the reference, a
+    teacher, replay off) routes on its own."""
+    hooks = _INSTALLED.get(model)
+    if hooks is not None:
+        hooks.set(routes)
+
+
+def check_config(cfg) -> None:
+    """`algo.routing_replay=true` needs routes (vLLM with its Model Runner V2, which needs Triton: CUDA builds;
+    single-turn episodes) and a model with routers rlkit replays; LoRA and FSDP2 are not supported with it yet
+    (raises ConfigError before any model loads)."""
+    if not cfg.algo.routing_replay:
+        return
+    key = "algo.routing_replay=true"
+    if cfg.rollout.engine != "vllm":
+        raise ConfigError(
+            f"{key} needs rollout.engine=vllm (got {cfg.rollout.engine!r}): only vLLM returns the experts it "
+            "routed each token to; or set algo.routing_replay=false"
+        )
+    if importlib.util.find_spec("triton") is None or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        raise ConfigError(
+            f"{key}: vLLM returns routed experts only from its Model Runner V2, which needs Triton (a CUDA build; "
+            "vLLM's CPU build has none) and VLLM_USE_V2_MODEL_RUNNER not 0; or set algo.routing_replay=false"
+        )
+    for bad, why in (
+        (cfg.model.lora.rank > 0, f"model.lora.rank={cfg.model.lora.rank} (LoRA)"),
+        (cfg.trainer.strategy == "fsdp2", "trainer.strategy=fsdp2"),
+        (cfg.env.name != "single_turn", f"env.name={cfg.env.name!r} (multi-turn episodes)"),
+    ):
+        if bad:
+            raise ConfigError(f"{key} is not supported with {why} yet; set algo.routing_replay=false")
+    try:
+        routers = model_routers(cfg.model.path)
+    except (OSError, ValueError) as e:  # no config to read here: the learner's RouterHooks will refuse it
+        logging.getLogger(__name__).warning(
+            "%s not checked: the config of %r does not load (%s)", key, cfg.model.path, e
+        )
+        return
+    if not routers:
+        raise ConfigError(
+            f"{key}: model.path={cfg.model.path!r} has no mixture-of-experts router rlkit replays (a dense model, "
+            f"or an MoE family without support; supported routers: {sorted(ROUTERS)}); set algo.routing_replay=false"
+        )
+
+
+def model_routers(model_path: str) -> list[str]:
+    """The class names of the replayable routers of the model at `model_path`, from its config (meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory, gguf_file = resolve_model(model_path)
+    config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [type(m).__name__ for m in moe_routers(model)]

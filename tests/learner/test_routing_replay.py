@@ -112,3 +112,95 @@ def test_wrong_shape_and_dense_model_refused():
             model(input_ids=torch.zeros(ROWS, COLS, dtype=torch.long))
     with pytest.raises(ValueError, match="algo.routing_replay"):
         RouterHooks(_model("llama3"))
+
+
+# -- the learner's forward: the batch's routed_experts reach the routers, micro-batched or packed ----------
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from model_families import build_family
+
+    return build_family("qwen3-moe", tmp_path_factory.mktemp("qwen3moe"))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_learner_forward_replays_batch_routes(moe_dir, packed):
+    import dataclasses
+
+    from cfg_helpers import learner_cfg
+    from learner_helpers import full_batch_logprobs, make_batch
+
+    from rlkit.learner import Learner
+    from rlkit.learner.routing import install
+
+    cfg = learner_cfg(
+        model_path=moe_dir, dtype="float32", lr=1e-3, max_grad_norm=None, seed=0, pack_sequences=packed,
+        max_tokens_per_microbatch=24,
+    )  # fmt: skip
+    cfg.algo.routing_replay = True
+    learner = Learner(cfg)
+    model = learner.accelerator.unwrap_model(learner.model)
+    hooks = install(model)  # the learner's own hooks
+    batch = make_batch(n=4, prompt_width=5, response_width=6, seed=4, all_fields=False)
+    plain = learner.forward(batch).logprobs
+    with torch.no_grad(), hooks.record() as rec:
+        full_batch_logprobs(model, batch, 1.0)
+    own = rec.tensor(4, 11)
+    replayed = learner.forward(dataclasses.replace(batch, routed_experts=own)).logprobs
+    torch.testing.assert_close(replayed, plain, rtol=0, atol=1e-5)
+
+    g = torch.Generator().manual_seed(5)
+    other = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(own[..., 0].numel())]).reshape(
+        own.shape
+    )
+    other = other.to(torch.int16)
+    got = learner.forward(dataclasses.replace(batch, routed_experts=other)).logprobs
+    with torch.no_grad(), hooks.replay(other):  # a second method: one forward over the whole padded batch
+        want, _ = full_batch_logprobs(model, batch, 1.0)
+    mask = batch.response_mask
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-4)
+    assert (got[mask] - plain[mask]).abs().max() > 1e-3
+
+
+def test_check_config_refuses_what_cannot_replay(moe_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    from cfg_helpers import learner_cfg
+    from model_families import build_family
+
+    from rlkit.config.schema import ConfigError
+    from rlkit.learner import routing
+
+    def cfg(path=moe_dir, engine="vllm", **flat):
+        c = learner_cfg(model_path=path, **flat)
+        c.algo.routing_replay, c.rollout.engine = True, engine
+        return c
+
+    routing.check_config(learner_cfg(model_path=moe_dir))  # off: nothing checked
+    with pytest.raises(ConfigError, match="algo.routing_replay=true needs rollout.engine=vllm"):
+        routing.check_config(cfg(engine="hf"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match="Model Runner V2, which needs Triton"):
+        routing.check_config(cfg())
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a)
+    )
+    routing.check_config(cfg())  # an MoE with replayable routers on a vLLM with Triton: accepted
+    c = cfg()
+    c.model.lora.rank = 8
+    with pytest.raises(ConfigError, match=r"model.lora.rank=8 \(LoRA\)"):
+        routing.check_config(c)
+    c = cfg()
+    c.trainer.strategy = "fsdp2"
+    with pytest.raises(ConfigError, match="trainer.strategy=fsdp2"):
+        routing.check_config(c)
+    c = cfg()
+    c.env.name = "calculator"
+    with pytest.raises(ConfigError, match="multi-turn"):
+        routing.check_config(c)
+    with pytest.raises(ConfigError, match="no mixture-of-experts router"):
+        routing.check_config(cfg(build_family("llama3", tmp_path / "dense")))

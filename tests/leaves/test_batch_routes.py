@@ -31,7 +31,7 @@ def _batch(prompts, responses, seed=0) -> tuple[RolloutBatch, list[torch.Tensor]
 
 def _expected(prompts, responses, routes, P, T) -> torch.Tensor:
     """Naive placement: row i's route for token j of cat(prompt, response) at column P - len(prompt) + j."""
-    out = torch.zeros(len(prompts), P + T, L, K, dtype=torch.int16)
+    out = torch.full((len(prompts), P + T, L, K), -1, dtype=torch.int16)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         for j in range(len(p) + len(r)):
             out[i, P - len(p) + j] = routes[i][j]

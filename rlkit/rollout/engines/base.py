@@ -112,10 +112,10 @@ def check_generate_args(prompts, n: int, context: int | None = None, vocab_size:
 
 def _pad_routes(prompts, rows, routes: list[torch.Tensor], width: int, steps: int) -> torch.Tensor:
     """Per-sample routes [len(prompt) + len(response), L, k] into [N, width + steps, L, k], aligned with the
-    left-padded prompts and right-padded responses (0 at padding). The engine routes every prompt token and
-    every response token but the last (fed back only if generation went on): that one is 0 too."""
+    left-padded prompts and right-padded responses (-1 at padding). The engine routes every prompt token and
+    every response token but the last (fed back only if generation went on): that one is -1 too."""
     layers, k = routes[0].shape[1:]
-    out = torch.zeros((len(rows), width + steps, layers, k), dtype=torch.int16)
+    out = torch.full((len(rows), width + steps, layers, k), -1, dtype=torch.int16)
     for i, (p, r, (toks, _, _)) in enumerate(zip(prompts, routes, rows)):
         seen = min(r.shape[0], len(p) + len(toks))
         out[i, width - len(p) : width - len(p) + seen] = r[:seen].to(torch.int16)
