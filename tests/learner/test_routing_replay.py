@@ -204,3 +204,41 @@ def test_check_config_refuses_what_cannot_replay(moe_dir, tmp_path, monkeypatch)
         routing.check_config(c)
     with pytest.raises(ConfigError, match="no mixture-of-experts router"):
         routing.check_config(cfg(build_family("llama3", tmp_path / "dense")))
+
+
+def test_learner_gradients_replay_under_gradient_checkpointing(moe_dir):
+    """The backward's recomputation of a checkpointed forward replays the same routes: the gradient of a batch
+    with other routes is the same with and without gradient checkpointing, and differs from the gradient
+    without routes."""
+    import dataclasses
+
+    from cfg_helpers import learner_cfg
+    from learner_helpers import make_batch
+
+    from rlkit.learner import Learner
+
+    batch = make_batch(n=4, prompt_width=5, response_width=6, seed=6, all_fields=False)
+    g = torch.Generator().manual_seed(7)
+    other = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(4 * 11 * 2)]).reshape(4, 11, 2, 2)
+    replayed = dataclasses.replace(batch, routed_experts=other.to(torch.int16))
+
+    def grads(gc: bool, b):
+        cfg = learner_cfg(
+            model_path=moe_dir, dtype="float32", lr=1e-3, max_grad_norm=None, seed=0, gradient_checkpointing=gc,
+            max_tokens_per_microbatch=24,
+        )  # fmt: skip
+        cfg.algo.routing_replay = True
+        learner = Learner(cfg)
+        model = learner.accelerator.unwrap_model(learner.model)
+        # transformers checkpoints a layer only in training mode, and the learner's policy stays in eval mode
+        # (from_pretrained's): train mode here so that the backward really recomputes (no dropout in this model)
+        model.train()
+        learner.accumulate_gradients(b)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed, unrouted = grads(False, replayed), grads(True, replayed), grads(False, batch)
+    router = "model.layers.0.mlp.gate.weight"
+    assert plain[router].abs().sum() > 0
+    for name, want in plain.items():
+        torch.testing.assert_close(checkpointed[name], want, rtol=1e-4, atol=1e-6, msg=name)
+    assert (unrouted[router] - plain[router]).abs().max() > 1e-6
