@@ -11,7 +11,7 @@ import torch
 
 from rlkit.batch import RolloutBatch, ScoredBatch, TrainBatch
 from rlkit.rollout.engines.base import rows_to_batch
-from rlkit.rollout.remote.messages import BatchShare, dumps, loads
+from rlkit.rollout.remote.messages import BatchShare, Pending, dumps, load_pending, loads, save_pending
 from rlkit.rollout.scored import concat_rollouts, take_groups
 
 L, K = 2, 2
@@ -54,7 +54,7 @@ def test_concat_and_take_groups_repad_routes():
     assert torch.equal(take_groups(both, [1]).routed_experts, want[1:])
 
 
-def test_row_ops_and_messages_carry_routes():
+def test_row_ops_and_messages_carry_routes(tmp_path):
     rb, _ = _batch([[5, 6, 7], [8]], [[1, 2], [3]])
     tb = TrainBatch(
         prompt_ids=rb.prompt_ids, prompt_mask=rb.prompt_mask, response_ids=rb.response_ids,
@@ -70,6 +70,10 @@ def test_row_ops_and_messages_carry_routes():
     back = back.batch.rollout
     assert back.routed_experts.dtype == torch.int16
     assert torch.equal(back.routed_experts, rb.routed_experts)
+    save_pending(tmp_path / "pending.safetensors", [Pending(0, sb, 0, {})])  # a checkpoint's pending batches
+    (resumed,) = load_pending(tmp_path / "pending.safetensors")
+    assert resumed.batch.rollout.routed_experts.dtype == torch.int16
+    assert torch.equal(resumed.batch.rollout.routed_experts, rb.routed_experts)
 
 
 def test_wrong_route_shape_refused():
