@@ -91,6 +91,23 @@ def _check_rows(obj, n: int) -> None:
             raise ValueError(f"{type(obj).__name__}.{f.name} has {rows} rows, expected {n}")
 
 
+def check_routes(routes: Tensor | None, prompt_ids: Tensor, response_ids: Tensor) -> None:
+    """`routed_experts` is None or [N, P + T, layers, k] for prompt_ids [N, P] and response_ids [N, T]."""
+    if routes is None:
+        return
+    n, width = prompt_ids.shape[0], prompt_ids.shape[1] + response_ids.shape[1]
+    if routes.dim() != 4 or tuple(routes.shape[:2]) != (n, width):
+        raise ValueError(
+            f"routed_experts has shape {tuple(routes.shape)}, expected [{n}, {width}, layers, k]"
+        )
+
+
+def pad_routes(routes: Tensor, left: int, right: int) -> Tensor:
+    """`routes` [N, P + T, L, k] re-padded like the tokens: `left` columns before the prompt, `right` after the
+    response (-1 there: no route)."""
+    return torch.nn.functional.pad(routes, (0, 0, 0, 0, left, right), value=-1) if left or right else routes
+
+
 def select_rows(rows: tuple, index: Tensor | slice) -> tuple:
     """Entries `index` of a per-row tuple (a slice, or a tensor of row indices or a bool mask)."""
     if isinstance(index, slice):
@@ -157,13 +174,19 @@ class Sequences(_RowOps):
     response_mask: Tensor
     images: tuple[Images | None, ...] | None = None
     """Per row, the prompt's images (None for a text-only row); None when no row has any."""
+    routed_experts: Tensor | None = None
+    """[N, P + T, L, k], the engine's routes the learner replays (RolloutBatch.routed_experts)."""
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])
+        check_routes(self.routed_experts, self.prompt_ids, self.response_ids)
 
     @classmethod
     def of(cls, batch) -> Sequences:
-        return cls(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.images)
+        return cls(
+            batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.images,
+            getattr(batch, "routed_experts", None),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -198,10 +221,16 @@ class RolloutBatch:
     None only in a batch built by hand without it."""
     images: tuple[Images | None, ...] | None = None
     """Per row, the prompt's images (the group's rows share one object); None when no row has any."""
+    routed_experts: Tensor | None = None
+    """[N, P + T, L, k] int16, the experts the engine's MoE layers routed each token to (prompt and response
+    positions, laid out as `cat([prompt_ids, response_ids], 1)`; -1 where the engine routed nothing: padding and
+    the last response token): what the learner's routers
+    replay (`algo.routing_replay`); None when off."""
 
     def __post_init__(self):
         n = self.response_ids.shape[0]
         _check_rows(self, n)
+        check_routes(self.routed_experts, self.prompt_ids, self.response_ids)
         shapes = [self.response_mask.shape, self.rollout_logprobs.shape]
         if self.token_versions is not None:
             shapes.append(self.token_versions.shape)
@@ -268,9 +297,12 @@ class TrainBatch(_RowOps):
     """[N, T] long, the policy version that sampled each token (RolloutBatch.token_versions)."""
     images: tuple[Images | None, ...] | None = None
     """Per row, the prompt's images (RolloutBatch.images)."""
+    routed_experts: Tensor | None = None
+    """[N, P + T, L, k] int16, the engine's expert choices per token (RolloutBatch.routed_experts)."""
 
     def __post_init__(self):
         _check_rows(self, self.response_ids.shape[0])
+        check_routes(self.routed_experts, self.prompt_ids, self.response_ids)
 
 
 @dataclass(frozen=True)

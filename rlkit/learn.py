@@ -156,6 +156,12 @@ class Learn:
         else of `rollout.mismatch_samples` rows, for the mismatch metrics that prove the weight push), the
         reference's and the critic's."""
         a, d = self.cfg.algo, self.derived
+        if a.routing_replay and rb.routed_experts is None:
+            raise RuntimeError(
+                "algo.routing_replay=true but this batch carries no routed_experts (a path that rebuilt the "
+                "engine's batch without them, e.g. a response cut to env.max_total_tokens): refusing to train it "
+                "without replay"
+            )
         n_scored = self.rows_to_score(rb.num_samples, every_row=d.score_every_row)
         seqs = Sequences.of(rb).select(slice(0, n_scored))  # all rows when n_scored == N (a view)
         lp = self.learner.forward(seqs, policy=True, ref=d.needs_reference, values=a.value_model)
@@ -267,6 +273,7 @@ class Learn:
             rollout_logprobs=rb.rollout_logprobs.to(self.device).float() if a.rollout_kl_coef > 0 else None,
             is_weights=prepared.is_weights,
             token_versions=rb.token_versions.to(self.device) if rb.token_versions is not None else None,
+            routed_experts=rb.routed_experts.to(self.device) if rb.routed_experts is not None else None,
             values=scores.values if a.value_model else None,
             returns=prepared.returns,
         )

@@ -47,6 +47,12 @@ Mixture-of-experts models train without the router's auxiliary (load-balancing) 
 from the log-probs alone, and the learner turns `output_router_logits` off, so no router logits are computed.
 The experts are sharded by FSDP2 like every parameter (`tests/learner/test_fsdp2_moe.py`).
 
+Routing replay (`algo.routing_replay`, Rollout Routing Replay): the learner's routers take the experts the
+engine routed each token to, their weights still the learner's router's. Replayable routers: Qwen3-MoE and
+Mixtral (`rlkit/learner/routing.py`; the other MoE rows and the hybrids are refused at start-up). It needs vLLM's
+Model Runner V2 (Triton: a CUDA build); vLLM's CPU build cannot return routes, so no CPU column has run it, and
+LoRA, FSDP2 and multi-turn environments are refused with it for now (docs/benchmarks.md: its effect measured).
+
 Hybrid families (Qwen3.5 text, dense and MoE; Qwen3-Next; LFM2; Nemotron-H: 2 layers, one with a gated DeltaNet,
 a short convolution or a Mamba-2 mixer, one with attention) carry a recurrent or convolution state from one
 position to the next. The HF engine samples them (the prompt is prefilled once per sample: transformers cannot

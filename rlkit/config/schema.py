@@ -227,6 +227,8 @@ class AlgoConfig:
     """Upper clip range of the ratio (1 + clip_high)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 for negative advantages (null = off)."""
+    routing_replay: bool = False
+    """Mixture-of-experts: the learner's routers use the experts the rollout engine routed each token to (Rollout Routing Replay; weights from the learner's router, so it still trains). vLLM with Model Runner V2 (CUDA); Qwen3-MoE and Mixtral."""
     max_token_staleness: Optional[int] = None
     """Tokens sampled more than this many policy versions before the step that trains them leave the loss (null = keep all; async, mostly with trainer.inflight_updates)."""
     loss_agg_mode: str = "token-mean"

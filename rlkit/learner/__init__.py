@@ -7,7 +7,7 @@ It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the
 `rlkit.weights.Export`.
 """
 
-from rlkit.learner import compiled, lora, optim, strategy, teacher
+from rlkit.learner import compiled, lora, optim, routing, strategy, teacher
 from rlkit.learner.learner import Learner
 from rlkit.learner.logprobs import LogProbs
 
@@ -23,3 +23,4 @@ def check_config(cfg) -> None:
     lora.check_config(cfg)
     teacher.check_config(cfg)
     compiled.check_config(cfg)
+    routing.check_config(cfg)

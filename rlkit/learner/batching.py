@@ -166,6 +166,8 @@ class Inputs:
     rows: Tensor
     pos: Tensor
     shape: tuple[int, int]
+    routes: Tensor | None = None
+    """[rows, columns, L, k]: the engine's expert choices at every input position (routing replay), or None."""
 
     def scatter(self, values: Tensor) -> Tensor:
         """[M] -> [n, t], 0 at positions not scored (differentiable, out of place)."""
@@ -194,12 +196,18 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         cols = torch.arange(p_max - 1, p_max - 1 + t)
         take = rows * t + pos
         pos_ids = position_ids_from_mask(attn)
+        routes = None
+        if b.routed_experts is not None:
+            width = b.prompt_ids.shape[1]
+            routes = b.routed_experts[:, width - p_max : width + t].to(device)
     else:
-        ids, starts = [], []
-        offset = 0
+        ids, starts, parts = [], [], []
+        offset, width = 0, b.prompt_ids.shape[1]
         for i, ((p, _), r) in enumerate(zip(m.lens, scored)):
             p = max(1, p)
             ids += [b.prompt_ids[i, -p:], b.response_ids[i, :r]]
+            if b.routed_experts is not None:
+                parts.append(b.routed_experts[i, width - p : width + r])
             starts.append(offset + p - 1)
             offset += p + r
         input_ids = torch.cat(ids).to(device)[None]
@@ -208,6 +216,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         pos_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
         cols = torch.tensor(starts)[rows] + pos
         take = torch.arange(len(cols))
+        routes = torch.cat(parts).to(device)[None] if parts else None
     dev = dict(device=device)
     return Inputs(
         input_ids,
@@ -219,6 +228,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         rows.to(**dev),
         pos.to(**dev),
         (len(scored), t),
+        routes,
     )
 
 

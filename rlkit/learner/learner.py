@@ -47,7 +47,7 @@ from rlkit.checkpoints import CheckpointError, latest_checkpoint
 from rlkit.collectives import all_reduce
 from rlkit.config.derived import derive
 from rlkit.flops import ModelShape, sequence_flops
-from rlkit.learner import checkpoint, compiled, optim, teacher
+from rlkit.learner import checkpoint, compiled, optim, routing, teacher
 from rlkit.learner.batching import (
     Micro,
     MiniBatch,
@@ -104,6 +104,8 @@ class Learner:
             policy.config.output_router_logits = False
         if m.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if a.routing_replay:  # the routers replay the engine's routes of each batch (rlkit.learner.routing)
+            routing.install(policy)
         if self.lora:
             policy = add_adapters(policy, m.lora, gradient_checkpointing=m.gradient_checkpointing)
         self.ref_model = None
@@ -334,7 +336,10 @@ class Learner:
                 "update(scores=...) needs an on-policy update (algo.ppo_epochs * mini_batches == 1)"
             )
         rows = scores.untrained_rows(batch.response_mask)
-        seqs = Sequences(batch.prompt_ids, batch.prompt_mask, batch.response_ids, scores.mask & rows[:, None])
+        seqs = Sequences(
+            batch.prompt_ids, batch.prompt_mask, batch.response_ids, scores.mask & rows[:, None],
+            routed_experts=batch.routed_experts,
+        )  # fmt: skip
         lp = self.forward(seqs, skip_empty=True)
         scores.put(rows, lp.logprobs, lp.entropy)
 

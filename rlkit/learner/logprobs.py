@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlkit.learner.routing import set_routes
+
 # FSDP2 warns, once per process, when a wrapped module's output holds a view (an in-place op on it would skip the
 # module's pre-backward hook). With `output_hidden_states` (the chunked head below) the embedding's output,
 # hidden_states[0], is such a view; rlkit reads only the last hidden state and writes into no output, so the
@@ -262,6 +264,8 @@ def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float
     from torch.distributed.tensor import DTensor
 
     kw = dict(input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids)
+    # routing replay: the routers take the engine's experts (a model without hooks, e.g. the reference, ignores it)
+    set_routes(unwrapped, inp.routes)
     trunc = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     head = chunkable_head(unwrapped) if chunk_tokens else None
     if head is not None:

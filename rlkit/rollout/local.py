@@ -86,6 +86,9 @@ class LocalRollouts:
             tokenizer=tokenizer,
             # In-flight updates (vLLM only): no forward may still be queued when step() returns (CUDA).
             **({"async_scheduling": False} if t.inflight_updates != "off" else {}),
+            **(
+                {"routing_replay": True} if cfg.algo.routing_replay else {}
+            ),  # vLLM returns each token's experts
             **r.engine_kwargs,
         )
         reward_model = None

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from rlkit.batch import NO_VERSION, SUMMED_STATS, RolloutBatch, ScoredBatch
+from rlkit.batch import NO_VERSION, SUMMED_STATS, RolloutBatch, ScoredBatch, pad_routes
 
 
 def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -41,6 +41,11 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
             else None
         ),
         images=_stacked_images(parts),
+        routed_experts=(
+            torch.cat([_repad_routes(b, P, T) for b in parts])
+            if all(b.routed_experts is not None for b in parts)
+            else None
+        ),
     )
 
 
@@ -49,6 +54,11 @@ def _stacked_images(parts: list[RolloutBatch]) -> tuple | None:
     if all(b.images is None for b in parts):
         return None
     return tuple(x for b in parts for x in (b.images if b.images is not None else (None,) * b.num_samples))
+
+
+def _repad_routes(b: RolloutBatch, P: int, T: int):
+    p, t = b.prompt_ids.shape[1], b.response_ids.shape[1]
+    return pad_routes(b.routed_experts, P - p, T - t)
 
 
 def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
@@ -69,6 +79,7 @@ def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
         stats={},
         token_versions=rb.token_versions[idx] if rb.token_versions is not None else None,
         images=tuple(rb.images[i] for i in rows) if rb.images is not None else None,
+        routed_experts=rb.routed_experts[idx] if rb.routed_experts is not None else None,
     )
 
 

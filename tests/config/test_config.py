@@ -252,6 +252,8 @@ BAD = [
     ("algo.adv_estimator", "vtrace", ["algo.adv_estimator='vtrace' is not one of"]),
     ("algo.norm_by_std", "maybe", ["algo.norm_by_std", "maybe"]),
     ("algo.mask_zero_std_groups", "maybe", ["algo.mask_zero_std_groups", "maybe"]),
+    # on: the quickstart's engine returns no routes (and this CPU's vLLM cannot: no Model Runner V2)
+    ("algo.routing_replay", True, ["algo.routing_replay=true needs rollout.engine=vllm"]),
     (
         "algo.policy_loss",
         "ppo",

@@ -131,3 +131,29 @@ def test_weight_names_are_transformers_names_minus_wrappers():
 def test_importing_rlkit_rollout_does_not_import_vllm():
     code = "import sys, rlkit.rollout, rlkit.rollout.engines.hf; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_request_outputs_to_batch_routes():
+    """algo.routing_replay: each completion's routed_experts ([prompt + response - 1, layers, k]: the last
+    token is never fed back) land beside its left-padded prompt; the last token and padding get -1."""
+    import numpy as np
+
+    prompts = [[11, 12, 13], [21]]
+    c0 = completion(0, [5, EOS], [-1.0, -0.5], "stop")
+    c1 = completion(0, [6, 7, 8], [-1.0, -0.5, -0.25], "length")
+    c0.routed_experts = np.arange(4 * 2 * 2).reshape(4, 2, 2).astype(np.int16)  # 3 prompt + 2 response - 1
+    c1.routed_experts = 100 + np.arange(3 * 2 * 2).reshape(3, 2, 2).astype(np.int16)  # 1 + 3 - 1
+    b = request_outputs_to_batch(
+        [request(0, prompts[0], [c0]), request(1, prompts[1], [c1])], prompts, 1, PAD, routes=True
+    )
+    want = torch.full((2, 3 + 3, 2, 2), -1, dtype=torch.int16)
+    want[0, 0:4] = torch.from_numpy(c0.routed_experts)  # columns: p p p r r (pad)
+    want[1, 2:5] = torch.from_numpy(c1.routed_experts)  # columns: pad pad p r r r
+    assert b.routed_experts.dtype == torch.int16
+    assert torch.equal(b.routed_experts, want)
+    c1.routed_experts = None
+    with pytest.raises(ValueError, match="no routed_experts"):
+        request_outputs_to_batch([request(1, prompts[1], [c1])], prompts[1:], 1, PAD, routes=True)
+    c1.routed_experts = np.zeros((9, 2, 2), dtype=np.int16)
+    with pytest.raises(ValueError, match="routed_experts of shape"):
+        request_outputs_to_batch([request(1, prompts[1], [c1])], prompts[1:], 1, PAD, routes=True)

@@ -150,3 +150,28 @@ def test_the_reused_forward_scores_in_the_update_and_runs_no_pass_of_its_own():
     _, scores = learner.updates[0]
     assert torch.equal(scores.mask, MASK & torch.tensor([True, True, True, False])[:, None])
     assert not tb.response_mask[:2].any() and torch.equal(tb.response_mask[2:], MASK[2:])
+
+
+def test_routing_replay_routes_reach_the_forward_and_the_update_and_their_absence_is_refused():
+    """algo.routing_replay: the batch's routed_experts reach the scoring forward and the TrainBatch; a batch
+    without them (rebuilt by a path that drops them) is refused rather than trained without replay."""
+    import dataclasses
+
+    seen = []
+
+    class RoutesLearner(RecordingLearner):
+        def forward(self, seqs, **kw):
+            seen.append(seqs.routed_experts)
+            return super().forward(seqs, **kw)
+
+    routes = torch.arange(4 * 5 * 2 * 2, dtype=torch.int16).reshape(4, 5, 2, 2)
+    sb = produced([1.0, 0.0, 0.0, 1.0])
+    sb = dataclasses.replace(sb, rollout=dataclasses.replace(sb.rollout, routed_experts=routes))
+    learner = RoutesLearner()
+    Learn(cfg(routing_replay=True), learner, world=1)(sb, 1, Timers())
+    assert torch.equal(seen[0], routes[: seen[0].shape[0]])
+    assert torch.equal(learner.updates[0][0].routed_experts, routes)
+    with pytest.raises(RuntimeError, match="carries no routed_experts"):
+        Learn(cfg(routing_replay=True), RecordingLearner(), world=1)(
+            produced([1.0, 0.0, 0.0, 1.0]), 1, Timers()
+        )

@@ -110,6 +110,18 @@ def check_generate_args(prompts, n: int, context: int | None = None, vocab_size:
             raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size})")
 
 
+def _pad_routes(prompts, rows, routes: list[torch.Tensor], width: int, steps: int) -> torch.Tensor:
+    """Per-sample routes [len(prompt) + len(response), L, k] into [N, width + steps, L, k], aligned with the
+    left-padded prompts and right-padded responses (-1 at padding). The engine routes every prompt token and
+    every response token but the last (fed back only if generation went on): that one is -1 too."""
+    layers, k = routes[0].shape[1:]
+    out = torch.full((len(rows), width + steps, layers, k), -1, dtype=torch.int16)
+    for i, (p, r, (toks, _, _)) in enumerate(zip(prompts, routes, rows)):
+        seen = min(r.shape[0], len(p) + len(toks))
+        out[i, width - len(p) : width - len(p) + seen] = r[:seen].to(torch.int16)
+    return out
+
+
 def rows_to_batch(
     prompts: list[list[int]],
     rows: list[tuple[list[int], list[float], str]],
@@ -117,13 +129,15 @@ def rows_to_batch(
     n: int,
     pad_id: int,
     versions: list[list[int]] | None = None,
+    routes: list[torch.Tensor] | None = None,
 ) -> RolloutBatch:
     """Pad per-sample lists into a RolloutBatch (prompts left-padded, responses right-padded).
 
     prompts: the N = B * n prompts, one per row (a prompt repeated for its n samples);
     rows: per sample `(response token ids, their log-probs, finish reason)`; texts: decoded responses;
     versions: per sample, the policy version of each response token (NO_VERSION at environment tokens),
-    or None (the batch then carries no token versions).
+    or None (the batch then carries no token versions); routes: per sample, the engine's routed experts
+    [prompt + response tokens, MoE layers, k] (`RolloutBatch.routed_experts`), or None.
     """
     num = len(rows)
     width = max(len(p) for p in prompts)
@@ -145,6 +159,7 @@ def rows_to_batch(
                 raise ValueError(f"row {i}: {len(versions[i])} token versions for {len(toks)} tokens")
             token_versions[i, : len(toks)] = torch.tensor(versions[i], dtype=torch.long)
     return RolloutBatch(
+        routed_experts=None if routes is None else _pad_routes(prompts, rows, routes, width, steps),
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         response_ids=response_ids,

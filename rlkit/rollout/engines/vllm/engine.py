@@ -154,6 +154,7 @@ class VLLMEngine:
         enable_prefix_caching: bool | None = None,
         colocated: bool = True,
         run_tokenizer=None,
+        routing_replay: bool = False,
         **llm_kwargs,
     ):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -169,6 +170,9 @@ class VLLMEngine:
             from vllm.platforms import current_platform
 
             on_cpu = current_platform.is_cpu()
+            self.routing_replay = routing_replay
+            if routing_replay:  # each completion returns its tokens' experts (vLLM's Model Runner V2 only)
+                llm_kwargs["enable_return_routed_experts"] = True
             if sleep_level not in (1, 2):
                 raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
             gpu_memory_utilization, enable_sleep_mode = memory_plan(
@@ -363,7 +367,9 @@ class VLLMEngine:
         seconds = time.perf_counter() - t0
         check_expanded(outputs, prompts, images)
         fallback = None if self._between_steps is not None else self.version
-        batch = request_outputs_to_batch(outputs, prompts, n, self.pad_id, version=fallback)
+        batch = request_outputs_to_batch(
+            outputs, prompts, n, self.pad_id, version=fallback, routes=self.routing_replay
+        )
         if images is not None and any(x is not None for x in images):
             batch = dataclasses.replace(
                 batch, images=tuple(images[row // n] for row in range(len(prompts) * n))

@@ -37,21 +37,42 @@ def span_versions(completion, fallback: int | None, where: str) -> list[int]:
     return versions
 
 
+def completion_routes(completion, prompt_len: int, where: str):
+    """A completion's routed experts (vLLM's `routed_experts`, [tokens, MoE layers, k], from prompt token 0: every
+    token the engine ran) as an int16 tensor; refused when missing or longer than prompt + response."""
+    import torch
+
+    routes = getattr(completion, "routed_experts", None)
+    if routes is None:
+        raise ValueError(
+            f"{where} carries no routed_experts: algo.routing_replay needs vLLM's "
+            "enable_return_routed_experts (Model Runner V2)"
+        )
+    routes = torch.as_tensor(routes)
+    if routes.dim() != 3 or routes.shape[0] > prompt_len + len(completion.token_ids):
+        raise ValueError(
+            f"{where}: routed_experts of shape {tuple(routes.shape)} for {prompt_len} prompt and "
+            f"{len(completion.token_ids)} response tokens (expected [at most their sum, layers, k])"
+        )
+    return routes.to(torch.int16)
+
+
 def request_outputs_to_batch(
-    outputs, prompts: list[list[int]], n: int, pad_id: int, *, version: int | None = 0
+    outputs, prompts: list[list[int]], n: int, pad_id: int, *, version: int | None = 0, routes: bool = False
 ) -> RolloutBatch:
     """Convert vLLM `RequestOutput`s (one per prompt, in prompt order) into a RolloutBatch.
 
     Each output must carry `n` completions with per-token logprobs (`SamplingParams.logprobs=0`);
     the log-prob of the token vLLM sampled at each position is read from its logprob dict (or
     `FlatLogprobs`). Token versions come from the completions' `weight_versions` spans (`span_versions`;
-    `version` labels a completion without them, None refuses it). Raises `ValueError` when outputs and
+    `version` labels a completion without them, None refuses it). With `routes`, each completion's
+    `routed_experts` become the batch's `routed_experts` (`completion_routes`). Raises `ValueError` when outputs and
     prompts do not line up, logprobs are missing, or a completion finished for another reason than
     "stop"/"length" (aborted, error).
     """
     if len(outputs) != len(prompts):
         raise ValueError(f"got {len(outputs)} request outputs for {len(prompts)} prompts")
-    rows, texts, row_prompts, versions = [], [], [], []
+    rows, texts, row_prompts, versions, row_routes = [], [], [], [], []
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
         if list(out.prompt_token_ids) != list(prompt):
             raise ValueError(f"request output {i} (id {out.request_id!r}) is not for prompts[{i}]")
@@ -72,4 +93,6 @@ def request_outputs_to_batch(
             texts.append(c.text)
             row_prompts.append(list(prompt))
             versions.append(span_versions(c, version, f"prompts[{i}] sample {c.index}"))
-    return rows_to_batch(row_prompts, rows, texts, n, pad_id, versions)
+            if routes:
+                row_routes.append(completion_routes(c, len(prompt), f"prompts[{i}] sample {c.index}"))
+    return rows_to_batch(row_prompts, rows, texts, n, pad_id, versions, routes=row_routes if routes else None)
