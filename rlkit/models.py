@@ -479,6 +479,19 @@ def load_value_model(path: str):
     return model
 
 
+def train_without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in training mode with its own dropout off (probability 0 in every `nn.Dropout`, and in the
+    `attention_dropout` of attention modules): RL scores and trains the policy the engine samples from, which
+    has no dropout. Training mode is what gradient checkpointing (transformers checkpoints a layer only when
+    `self.training`) and LoRA's own dropout (added afterwards, and left as configured) need."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model.train()
+
+
 @contextlib.contextmanager
 def eval_mode(*models):
     """The models in eval mode (no dropout) inside the block, each back in its own mode after it."""

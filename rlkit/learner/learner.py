@@ -63,7 +63,7 @@ from rlkit.learner.loss import MicroInputs, micro_loss
 from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
-from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model
+from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model, train_without_dropout
 from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
@@ -102,6 +102,7 @@ class Learner:
         # passes); router logits are not even returned, so none are computed for nothing (docs: Supported models).
         if getattr(policy.config, "output_router_logits", False):
             policy.config.output_router_logits = False
+        train_without_dropout(policy)  # from_pretrained leaves it in eval mode, where nothing is checkpointed
         if m.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if a.routing_replay:  # the routers replay the engine's routes of each batch (rlkit.learner.routing)
@@ -123,7 +124,7 @@ class Learner:
         self.scheduler = optim.scheduler(self.optimizer, t, d.optimizer_steps)
         self.value_model = self.value_optimizer = self.value_scheduler = None
         if a.value_model:
-            critic = load_value_model(m.path)
+            critic = train_without_dropout(load_value_model(m.path))
             if m.gradient_checkpointing:
                 critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.value_model, self.value_optimizer = acc.prepare(critic, optim.adamw(critic, t))
