@@ -49,19 +49,18 @@ from rlkit.rollout.engines.vllm.images import (
     vllm_requests,
 )
 from rlkit.rollout.engines.vllm.logs import quiet_build_logs, quiet_push_logs
-from rlkit.rollout.engines.vllm.memory import memory_plan
 from rlkit.rollout.engines.vllm.outputs import request_outputs_to_batch, span_versions
 from rlkit.rollout.engines.vllm.platform import (
     compiles,
     contained_side_effects,
     hf_config,
     launcher_env,
-    prefix_caching,
     vllm_can_run,
     vllm_default,
 )
 from rlkit.rollout.engines.vllm.push import PushBook
 from rlkit.rollout.engines.vllm.reload import worker_close_failed_reload, worker_reload
+from rlkit.rollout.engines.vllm.settings import engine_settings
 from rlkit.weights import (
     PushGuard,
     check_manifest,
@@ -171,50 +170,25 @@ class VLLMEngine:
 
             on_cpu = current_platform.is_cpu()
             self.routing_replay = routing_replay
-            if routing_replay:  # each completion returns its tokens' experts (vLLM's Model Runner V2 only)
-                llm_kwargs["enable_return_routed_experts"] = True
-            if sleep_level not in (1, 2):
-                raise ValueError(f"sleep_level={sleep_level} must be 1 or 2")
-            gpu_memory_utilization, enable_sleep_mode = memory_plan(
-                colocated, gpu_memory_utilization, enable_sleep_mode,
-                sleep_available=current_platform.is_sleep_mode_available(),
-                vllm_default=vllm_default("gpu_memory_utilization"),
-            )  # fmt: skip
-            if not 0 < gpu_memory_utilization <= 1:
-                raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-            if enable_sleep_mode and not current_platform.is_sleep_mode_available():
-                raise ValueError(
-                    f"rollout.engine_kwargs.enable_sleep_mode=true: vLLM has no sleep mode on its "
-                    f"{current_platform.device_type} platform; leave it unset (auto) or false"
-                )
-            if kv_cache_gib is None and on_cpu:
-                kv_cache_gib = 1.0
-            if kv_cache_gib is not None:
-                if kv_cache_gib <= 0:
-                    raise ValueError(f"kv_cache_gib={kv_cache_gib} must be > 0 (GiB of KV cache)")
-                llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-            if enforce_eager is None:
-                enforce_eager = on_cpu
-
             config = hf_config(model_path)
-            enable_prefix_caching = prefix_caching(config, enable_prefix_caching)
+            settings = engine_settings(
+                config, dtype=dtype, seed=seed, rank=launcher_env()[0], platform=current_platform.device_type,
+                sleep_available=current_platform.is_sleep_mode_available(),
+                default_gpu_memory_utilization=vllm_default("gpu_memory_utilization"),
+                gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
+                enforce_eager=enforce_eager, max_model_len=max_model_len, enable_sleep_mode=enable_sleep_mode,
+                sleep_level=sleep_level, max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching, colocated=colocated, routing_replay=routing_replay,
+                **llm_kwargs,
+            )  # fmt: skip
             # A vision-language checkpoint (vllm_can_run refused the families rlkit cannot give images here).
             self.vision_language = is_vision_language(config)
             # Colocated: the learner's model shares this process's transformers classes (vllm/classes.py).
             refusal = colocated and compiled_transformers_backend(
-                config, enforce_eager=enforce_eager, llm_kwargs=llm_kwargs
+                config, enforce_eager=settings.enforce_eager, llm_kwargs=settings.llm_kwargs
             )
             if refusal:
                 raise RuntimeError(refusal)
-            if on_cpu:
-                # Whole prefills only: see the class docstring (seeded requests, CPU generators).
-                context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
-                llm_kwargs.setdefault("enable_chunked_prefill", False)
-                max_num_batched_tokens = max(max_num_batched_tokens, context)
-                if getattr(config, "kv_lora_rank", None) and str(dtype).removeprefix("torch.") == "float32":
-                    # An fp32 MLA model (DeepSeek): vLLM picks its AMX MLA backend where the CPU has AMX tiles,
-                    # whose weight packing takes no fp32 ("expect weight to be bfloat16, ..."); the reference one
-                    llm_kwargs.setdefault("attention_backend", "CPU_MLA")
 
             # The names and shapes a push must bring (as the learner yields them) and their tied aliases,
             # from a weightless copy of the checkpoint's model.
@@ -243,19 +217,7 @@ class VLLMEngine:
                 self.llm = LLM(
                     model=os.path.join(directory, gguf_file) if gguf_file else directory,
                     tokenizer=directory,
-                    tensor_parallel_size=1,
-                    distributed_executor_backend="external_launcher",
-                    dtype=str(dtype).removeprefix("torch."),
-                    seed=seed + self.rank,
-                    gpu_memory_utilization=gpu_memory_utilization,
-                    max_model_len=max_model_len,
-                    enable_sleep_mode=enable_sleep_mode,
-                    enforce_eager=enforce_eager,
-                    # Later turns of an episode and the G samples of a prompt reuse their prompt's KV blocks.
-                    enable_prefix_caching=enable_prefix_caching,
-                    logprobs_mode="processed_logprobs",
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    **llm_kwargs,
+                    **settings.llm_kwargs,
                 )
             if restored is not None:
                 restored.check_compiled(compiles(self.llm))
@@ -265,8 +227,9 @@ class VLLMEngine:
             log.info(
                 "vLLM engine on %s built in %.1f s (model runner %s, eager=%s, sleep mode=%s, "
                 "gpu_memory_utilization=%s, kv cache=%s GiB)",
-                current_platform.device_type, time.perf_counter() - t0, self.model_runner, enforce_eager,
-                enable_sleep_mode, gpu_memory_utilization, kv_cache_gib if kv_cache_gib is not None else "auto",
+                current_platform.device_type, time.perf_counter() - t0, self.model_runner, settings.enforce_eager,
+                settings.enable_sleep_mode, settings.gpu_memory_utilization,
+                settings.kv_cache_gib if settings.kv_cache_gib is not None else "auto",
             )  # fmt: skip
         if quieted:
             log.debug("vLLM start-up notices kept back (expected): %s", quieted)
@@ -275,7 +238,7 @@ class VLLMEngine:
         self.llm.llm_engine.set_weight_version("0")  # labels the tokens of every later engine step
         self.inflight = "off"
         self._between_steps: Callable[[], None] | None = None
-        self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
+        self.sleep_enabled, self.sleep_level = settings.enable_sleep_mode, sleep_level
         self._asleep = self._weights_awake = False
         self._weights_lost = False  # level-2 sleep dropped the weights; a push must come first
         self._calls = 0
