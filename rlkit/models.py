@@ -440,13 +440,97 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu"):
-    """An `AutoModelForCausalLM` for `path` (see `resolve_model`) in `dtype` on `device`."""
-    from transformers import AutoModelForCausalLM
+    """The policy model for `path` (see `resolve_model`) in `dtype` on `device`: an `AutoModelForCausalLM`, or for
+    a vision-language checkpoint (`is_vision_language`) an `AutoModelForImageTextToText` (the vision tower,
+    its projector and the language model, whose forward takes the processor's image tensors)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     directory, gguf_file = resolve_model(path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    auto = (
+        AutoModelForImageTextToText
+        if not gguf_file and is_vision_language(directory)
+        else AutoModelForCausalLM
+    )
+    model = auto.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.to(device)
+
+
+def is_vision_language(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint at `path` is a vision-language model: its config has a vision config (Qwen2.5-VL,
+    Qwen3-VL, Qwen3.5, Idefics3 / SmolVLM, Gemma 3, LLaVA ...). Reads config.json only."""
+    directory, gguf_file = resolve_model(path)
+    if gguf_file:
+        return False
+    config = Path(directory) / "config.json"
+    if not config.is_file():  # a hub id: transformers reads (or fetches) its config
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(directory), "vision_config", None) is not None
+    return json.loads(read_regular(config)).get("vision_config") is not None
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def load_processor(path: str | os.PathLike):
+    """The `AutoProcessor` of a vision-language checkpoint, its tokenizer set up as `load_tokenizer`'s.
+
+    A checkpoint without a processor is an error naming `model.path`. Without torchvision, transformers cannot
+    build the video half of some processors (Qwen's); rlkit gives no videos, so the processor is then built
+    from its image processor and tokenizer alone (`video_processor=None`)."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    directory, _ = resolve_model(path)
+    local = Path(directory)
+    if local.is_dir() and not any((local / f).is_file() for f in PROCESSOR_FILES):
+        raise ValueError(
+            f"model.path={str(path)!r} is a vision-language checkpoint without a processor (none of "
+            f"{list(PROCESSOR_FILES)} in the folder): save the model's AutoProcessor beside it "
+            "(AutoProcessor.from_pretrained(base).save_pretrained(path))"
+        )
+    tokenizer = load_tokenizer(path)
+    try:
+        processor = AutoProcessor.from_pretrained(directory, tokenizer=tokenizer)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+        processor = _images_only_processor(
+            directory, tokenizer, AutoImageProcessor.from_pretrained(directory)
+        )
+    processor.tokenizer = tokenizer
+    if not getattr(processor, "chat_template", None):
+        processor.chat_template = tokenizer.chat_template
+    return processor
+
+
+def _images_only_processor(directory: str, tokenizer, image_processor):
+    """The checkpoint's processor class built with `video_processor=None` (see `load_processor`)."""
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    folder = Path(directory)
+    names = [
+        json.loads(read_regular(folder / f)).get("processor_class")
+        for f in PROCESSOR_FILES
+        if (folder / f).is_file()
+    ]
+    name = next(n for n in names if n)
+    cls = processor_class_from_name(name)
+
+    class ImagesOnly(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is not None:
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImagesOnly.__name__ = cls.__name__
+    template = folder / "chat_template.jinja"
+    chat_template = read_regular(template).decode() if template.is_file() else tokenizer.chat_template
+    return ImagesOnly(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=chat_template,
+    )
 
 
 def load_value_model(path: str):

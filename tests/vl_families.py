@@ -1,0 +1,125 @@
+"""Tiny random vision-language checkpoints WITH their processor, built at test time from transformers' own
+classes (no download): the language model is the text families' shape (hidden 128, 2 layers, head_dim 32, see
+model_families.py), the vision tower 2 blocks of width 64, the tokenizer the embedded SmolLM2 one with the
+family's image tokens added, the image processor the family's own class set for small pictures (a 56x56 picture
+is a handful of image tokens).
+
+`VL_FAMILIES` maps a family's display name to its builder; `build_vl_family(name, directory)` writes one
+checkpoint folder (config, weights, tokenizer, image processor, processor_config.json, chat template) and returns
+it. `picture(...)` draws a small test image. Shared by the data, engine, learner and whole-run tests (imported by
+name, as model_families.py is).
+
+The processor's files are written one by one (not `processor.save_pretrained`): without torchvision (this
+project's CPU environment) transformers cannot build the Qwen processors' video half, so a processor object
+cannot be built or saved as a whole here; `rlkit.models.load_processor` reads the folder back either way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from model_families import HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_POSITIONS
+
+_TEXT = dict(
+    hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POSITIONS,
+)  # fmt: skip
+
+# A chat template in the Qwen style that renders a message's content given as a string or as a list of
+# {"type": "image"} / {"type": "text", "text": ...} items; IMAGE is the family's placeholder for one picture.
+_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}IMAGE"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def picture(colour=(255, 0, 0), size=(56, 56), seed: int | None = None):
+    """A small RGB PIL image: one colour, or random pixels when `seed` is given."""
+    from PIL import Image
+
+    if seed is None:
+        return Image.new("RGB", size, colour)
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")
+
+
+def _tokenizer(tokens: list[str], image_placeholder: str):
+    from rlkit.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
+    tokenizer.chat_template = _TEMPLATE.replace("IMAGE", image_placeholder)
+    return tokenizer
+
+
+def _vocab(tokenizer) -> dict:
+    return dict(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+
+
+def _qwen25_vl(tokenizer):
+    """Qwen2.5-VL: windowed vision attention (one full-attention block), 3D (mrope) rotary positions."""
+    import transformers
+
+    ids = tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    )
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            _TEXT, **_vocab(tokenizer), tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]),  # sums to head_dim/2
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN,
+            fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        ),
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    image_processor = transformers.Qwen2VLImageProcessor(
+        min_pixels=28 * 28, max_pixels=56 * 56 * 4, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    return config, image_processor, "Qwen2_5_VLProcessor"
+
+
+# display name -> (tokens added to the tokenizer, the chat template's placeholder for one image, builder)
+VL_FAMILIES: dict[str, tuple[list[str], str, object]] = {
+    "qwen2.5-vl": (
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        _qwen25_vl,
+    ),
+}
+
+
+def build_vl_family(name: str, directory, *, seed: int = 0, processor: bool = True) -> str:
+    """Write a random tiny VL checkpoint of family `name` (fp32) with its processor (unless `processor` is
+    False: a VL checkpoint without one, for the start-up error's test); returns the folder."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    tokens, placeholder, builder = VL_FAMILIES[name]
+    tokenizer = _tokenizer(tokens, placeholder)
+    config, image_processor, processor_class = builder(tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    if processor:
+        image_processor.save_pretrained(directory)
+        (directory / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
+        (directory / "chat_template.jinja").write_text(tokenizer.chat_template)
+    return str(directory)
