@@ -269,6 +269,7 @@ class Learn:
             token_versions=rb.token_versions.to(self.device) if rb.token_versions is not None else None,
             values=scores.values if a.value_model else None,
             returns=prepared.returns,
+            images=rb.images,
         )
 
     # -- the step's statistics -------------------------------------------------------------------------

@@ -439,19 +439,23 @@ def load_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
-def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu"):
-    """The policy model for `path` (see `resolve_model`) in `dtype` on `device`: an `AutoModelForCausalLM`, or for
-    a vision-language checkpoint (`is_vision_language`) an `AutoModelForImageTextToText` (the vision tower,
-    its projector and the language model, whose forward takes the processor's image tensors)."""
+def load_causal_lm(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu", vision: bool = False
+):
+    """The policy model for `path` (see `resolve_model`) in `dtype` on `device`: an `AutoModelForCausalLM` (for a
+    vision-language checkpoint trained on text, its language model), or with `vision` (a run with images,
+    `data.image_key`) the checkpoint's `AutoModelForImageTextToText` (vision tower, projector and language
+    model, whose forward takes the processor's image tensors)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     directory, gguf_file = resolve_model(path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    auto = (
-        AutoModelForImageTextToText
-        if not gguf_file and is_vision_language(directory)
-        else AutoModelForCausalLM
-    )
+    if vision and not is_vision_language(path):
+        raise ValueError(
+            f"model.path={str(path)!r} is a text-only model (its config has no vision_config) but the run gives "
+            "images (data.image_key)"
+        )
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.to(device)
 
@@ -622,3 +626,33 @@ def stateful_layers(config) -> list[str]:
 
     text = config.get_text_config(decoder=True)
     return sorted({t for t in get_layer_types_and_kwargs(text)[0] if t in STATEFUL_LAYER_TYPES})
+
+
+def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
+    """The keyword arguments a vision-language `model`'s forward takes for rows `input_ids` [B, L] whose images
+    are `images` (one rlkit.batch.Images or None per row, in row order): each processor tensor concatenated over
+    the rows that have images (the placeholders of `input_ids` take the image features in that order) and, where
+    the forward reads them, the token types (1 at image tokens: Qwen's 3D rotary positions are computed from
+    them and the grid sizes). {} when no row has an image."""
+    import inspect
+
+    present = [x for x in images if x is not None] if images is not None else []
+    if not present:
+        return {}
+    device = input_ids.device
+    kwargs = {k: torch.cat([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
+    config = model.config
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None:
+        image_token = getattr(config, "image_token_index", None)
+    forward = inspect.signature(type(model).forward).parameters
+    if image_token is not None and "mm_token_type_ids" in forward:
+        kwargs["mm_token_type_ids"] = (input_ids == image_token).int()
+    return kwargs
+
+
+def rope_deltas(model) -> torch.Tensor | None:
+    """[B, 1] the 3D rotary position offset of each row of `model`'s last prefill (Qwen's VL models: the next
+    text position is the row's length + delta), or None for a model without 3D positions."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "rope_deltas", None) if hasattr(inner, "get_rope_index") else None

@@ -15,6 +15,7 @@ import torch
 from rlkit.batch import ScoredBatch
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import PromptOrder, build_prompts
+from rlkit.models import load_processor
 from rlkit.rewards import RewardScorer
 from rlkit.rewards.model import RewardModel
 from rlkit.rollout.engines import make_engine
@@ -58,8 +59,14 @@ class LocalRollouts:
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         train_ds, eval_ds = load_splits(cfg.data, seed=t.seed, env=cfg.env)
-        self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train")
-        self.eval_prompts = build_prompts(eval_ds, tokenizer, cfg.data, name="eval") if len(eval_ds) else None
+        # Images (data.image_key): the VL model's processor renders each prompt once, here.
+        processor = load_processor(cfg.model.path) if cfg.data.image_key is not None else None
+        self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train", processor=processor)
+        self.eval_prompts = (
+            build_prompts(eval_ds, tokenizer, cfg.data, name="eval", processor=processor)
+            if len(eval_ds)
+            else None
+        )
         self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
         self.scorer = RewardScorer(
             cfg.reward.fn,
@@ -84,6 +91,7 @@ class LocalRollouts:
             tokenizer=tokenizer,
             # In-flight updates (vLLM only): no forward may still be queued when step() returns (CUDA).
             **({"async_scheduling": False} if t.inflight_updates != "off" else {}),
+            vision=processor is not None,
             **r.engine_kwargs,
         )
         reward_model = None

@@ -40,6 +40,11 @@ def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
             if all(b.token_versions is not None for b in parts)
             else None
         ),
+        images=(
+            tuple(x for b in parts for x in (b.images or (None,) * b.num_samples))
+            if any(b.images is not None for b in parts)
+            else None
+        ),
     )
 
 
@@ -60,6 +65,7 @@ def take_groups(rb: RolloutBatch, groups: list[int]) -> RolloutBatch:
         response_texts=tuple(rb.response_texts[i] for i in rows) if rb.response_texts else (),
         stats={},
         token_versions=rb.token_versions[idx] if rb.token_versions is not None else None,
+        images=tuple(rb.images[i] for i in rows) if rb.images is not None else None,
     )
 
 

@@ -29,7 +29,7 @@ def test_vl_checkpoint_loads_with_its_processor(vl_ckpt):
     if name.startswith("qwen"):  # 56x56 -> a 4x4 grid of 14-pixel patches, merged 2x2: 4 image tokens
         assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
         assert int((ids == image_token).sum()) == 4
-    model = load_causal_lm(path)
+    model = load_causal_lm(path, vision=True)
     assert "ImageTextToText" in type(model).__name__ or "ConditionalGeneration" in type(model).__name__
     with torch.no_grad():
         logits = model(**out).logits

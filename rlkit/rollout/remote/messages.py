@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlkit.batch import RolloutBatch, ScoredBatch
+from rlkit.batch import Images, RolloutBatch, ScoredBatch
 from rlkit.weights import Manifest
 
 
@@ -167,6 +167,13 @@ def encode(obj):
         return int(obj)
     if isinstance(obj, float):
         return float(obj)  # numpy's float64 too, as a plain float
+    if isinstance(obj, Images):  # the pictures as [H, W, 3] uint8 pixel tensors (RGB)
+        import numpy as np
+
+        pixels = tuple(torch.from_numpy(np.asarray(p.convert("RGB")).copy()) for p in obj.pictures)
+        return {
+            "__images__": {"pictures": encode(pixels), "tensors": encode(obj.tensors), "digest": obj.digest}
+        }
     if dataclasses.is_dataclass(obj) and type(obj).__name__ in TYPES:
         fields = {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         return {"__type__": type(obj).__name__, **fields}
@@ -190,6 +197,12 @@ def decode(tree):
         return tree
     if "__tuple__" in tree:
         return tuple(decode(v) for v in tree["__tuple__"])
+    if "__images__" in tree:
+        from PIL import Image
+
+        body = tree["__images__"]
+        pictures = tuple(Image.fromarray(t.numpy(), "RGB") for t in decode(body["pictures"]))
+        return Images(pictures, decode(body["tensors"]), body["digest"])
     if "__type__" not in tree:
         return {key: decode(v) for key, v in tree.items()}
     name = tree["__type__"]
