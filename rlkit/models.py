@@ -640,6 +640,7 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
     if not present:
         return {}
     device = input_ids.device
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base
     kwargs = {k: torch.cat([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
     config = model.config
     image_token = getattr(config, "image_token_id", None)
@@ -651,8 +652,38 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
     return kwargs
 
 
+def has_3d_positions(model) -> bool:
+    """Whether `model` (or a peft model's base) computes 3D rotary positions from its images (Qwen's VL models):
+    given images, it is then given no position ids."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hasattr(getattr(model, "model", None), "get_rope_index")
+
+
 def rope_deltas(model) -> torch.Tensor | None:
     """[B, 1] the 3D rotary position offset of each row of `model`'s last prefill (Qwen's VL models: the next
     text position is the row's length + delta), or None for a model without 3D positions."""
     inner = getattr(model, "model", None)
     return getattr(inner, "rope_deltas", None) if hasattr(inner, "get_rope_index") else None
+
+
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+"""The attribute of a VL model's inner model that holds its vision encoder: Qwen's VL models (`visual`, with its
+merger), Gemma 3 and LLaVA (`vision_tower`), Idefics3 / SmolVLM (`vision_model`)."""
+
+
+def vision_tower(model) -> torch.nn.Module | None:
+    """The vision encoder of a vision-language `model`, or None (a text model)."""
+    inner = getattr(model, "model", model)
+    return next(
+        (getattr(inner, a) for a in VISION_TOWERS if isinstance(getattr(inner, a, None), torch.nn.Module)),
+        None,
+    )
+
+
+def freeze_vision_tower(model) -> int:
+    """Freeze `model`'s vision encoder (`model.freeze_vision`); returns how many parameters it holds."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (none of {list(VISION_TOWERS)})")
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())

@@ -28,7 +28,12 @@ def packing(requested: bool, model) -> bool:
     if not requested:
         return False
     stateful = stateful_layers(model.config)
-    if stateful:
+    if getattr(model.config, "vision_config", None) is not None and hasattr(model, "get_image_features"):
+        why = (
+            "it is a vision-language model: a packed row's images and 3D rotary positions are not laid out per "
+            "row by rlkit yet"
+        )
+    elif stateful:
         why = (
             f"its {'/'.join(stateful)} layers carry state from one position to the next and transformers' kernels "
             "for them take no row boundaries (a packed row would start from the previous row's state)"
@@ -166,6 +171,8 @@ class Inputs:
     rows: Tensor
     pos: Tensor
     shape: tuple[int, int]
+    images: tuple | None = None
+    """Each row's rlkit.batch.Images or None (padded layout only): `rlkit.models.image_kwargs` of the forward."""
 
     def scatter(self, values: Tensor) -> Tensor:
         """[M] -> [n, t], 0 at positions not scored (differentiable, out of place)."""
@@ -179,6 +186,9 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
     so transformers' mask builders (sdpa, eager, flex) and flash-attention's varlen path keep attention
     inside each row (they detect the restarts in position_ids)."""
     p_max, t, b = m.prompt_len, m.response_len, m.batch
+    images = b.images if b.images is not None and any(x is not None for x in b.images) else None
+    if packed and images is not None:
+        raise ValueError("packed micro-batches with images: packing is off for vision-language models")
     scored = [max(1, r) for _, r in m.lens]
     rows = torch.repeat_interleave(torch.arange(len(scored)), torch.tensor(scored))
     pos = torch.cat([torch.arange(r) for r in scored])
@@ -219,6 +229,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         rows.to(**dev),
         pos.to(**dev),
         (len(scored), t),
+        images,
     )
 
 

@@ -62,7 +62,7 @@ from rlkit.learner.loss import MicroInputs, micro_loss
 from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
-from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model
+from rlkit.models import eval_mode, freeze_vision_tower, load_causal_lm, load_tokenizer, load_value_model
 from rlkit.rundir import CheckpointError, latest_checkpoint
 from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
 
@@ -92,10 +92,13 @@ class Learner:
         self.lora = m.lora.rank > 0
         # fp32 master weights; accelerate casts compute to bf16 under mixed precision. With LoRA only
         # the adapters train: the frozen base is loaded in the compute dtype (no fp32 master copy).
+        self.vision = cfg.data.image_key is not None  # the VL model whole, its forward taking the images
         policy = load_causal_lm(
-            m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu"
+            m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu", vision=self.vision
         )
         policy.config.use_cache = False
+        if self.vision and m.freeze_vision:
+            freeze_vision_tower(policy)
         self.packed = packing(t.pack_sequences, policy)
         # Mixture-of-experts: no router auxiliary (load-balancing) loss. rlkit's loss is built from the
         # log-probs alone and transformers adds that term only to its own `loss` (with labels, which rlkit never
@@ -109,7 +112,7 @@ class Learner:
         self.ref_model = None
         if a.kl_coef > 0 and not self.lora:  # LoRA: the base, adapters off
             self.ref_model = self._prepare_frozen(
-                load_causal_lm(m.path, dtype=self.compute_dtype, device="cpu")
+                load_causal_lm(m.path, dtype=self.compute_dtype, device="cpu", vision=self.vision)
             )
         self.teacher = None  # on-policy distillation's teacher: frozen, never the policy with adapters off
         if teacher.enabled(cfg):

@@ -23,7 +23,14 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from rlkit.batch import Images, RolloutBatch
 from rlkit.digests import tensor_digest, to_host
-from rlkit.models import image_kwargs, load_causal_lm, load_tokenizer, rope_deltas, stateful_layers
+from rlkit.models import (
+    has_3d_positions,
+    image_kwargs,
+    load_causal_lm,
+    load_tokenizer,
+    rope_deltas,
+    stateful_layers,
+)
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
 from rlkit.weights import PushGuard, check_manifest, module_manifest
 
@@ -170,7 +177,7 @@ class HFEngine:
             images = None if images is None else [x for x in images for _ in range(n)]
         vision = image_kwargs(self.model, images, ids)
         delta = None
-        if vision and hasattr(getattr(self.model, "model", None), "get_rope_index"):
+        if vision and has_3d_positions(self.model):
             positions = None  # the model computes its 3D positions from the mask and the grid sizes
         out = self.model(
             input_ids=ids,
