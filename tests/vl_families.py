@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from model_families import HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_POSITIONS
+from model_families import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_POSITIONS
 
 _TEXT = dict(
     hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -90,13 +90,61 @@ def _qwen25_vl(tokenizer):
     return config, image_processor, "Qwen2_5_VLProcessor"
 
 
+def _qwen_ids(tokenizer) -> dict:
+    ids = tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    )
+    return dict(
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3]
+    )
+
+
+_QWEN3_VISION = dict(
+    depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=HIDDEN, patch_size=16,
+    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0],
+)  # fmt: skip
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6], mrope_interleaved=True)
+
+
+def _qwen3_vl(tokenizer):
+    """Qwen3-VL: 16-pixel patches, learned position embeddings interpolated, deepstack features, interleaved mrope."""
+    import transformers
+
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(_TEXT, **_vocab(tokenizer), head_dim=HEAD_DIM, rope_parameters=_MROPE),
+        vision_config=_QWEN3_VISION, tie_word_embeddings=True, **_qwen_ids(tokenizer),
+    )  # fmt: skip
+    image_processor = transformers.Qwen2VLImageProcessor(
+        min_pixels=32 * 32, max_pixels=64 * 64 * 4, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    return config, image_processor, "Qwen3VLProcessor"
+
+
+def _qwen35(tokenizer):
+    """Qwen3.5 with its vision tower: the hybrid language model (gated DeltaNet + gated attention) of
+    model_families' qwen3.5-text under Qwen3-VL's vision tower."""
+    import transformers
+    from model_families import _LINEAR_ATTN
+
+    config = transformers.Qwen3_5Config(
+        text_config=dict(_TEXT, **_vocab(tokenizer), head_dim=HEAD_DIM, rope_parameters=dict(
+            _MROPE, partial_rotary_factor=1.0), **_LINEAR_ATTN),
+        vision_config={k: v for k, v in _QWEN3_VISION.items() if k != "deepstack_visual_indexes"},
+        tie_word_embeddings=True, **_qwen_ids(tokenizer),
+    )  # fmt: skip
+    image_processor = transformers.Qwen2VLImageProcessor(
+        min_pixels=32 * 32, max_pixels=64 * 64 * 4, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    return config, image_processor, "Qwen3VLProcessor"
+
+
+_QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # display name -> (tokens added to the tokenizer, the chat template's placeholder for one image, builder)
 VL_FAMILIES: dict[str, tuple[list[str], str, object]] = {
-    "qwen2.5-vl": (
-        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
-        "<|vision_start|><|image_pad|><|vision_end|>",
-        _qwen25_vl,
-    ),
+    "qwen2.5-vl": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen25_vl),
+    "qwen3-vl": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen3_vl),
+    "qwen3.5": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen35),
 }
 
 

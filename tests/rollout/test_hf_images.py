@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_families import build_vl_family, picture
+from vl_families import VL_FAMILIES, build_vl_family, picture
 
 from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
@@ -15,9 +15,9 @@ from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.engines.hf import HFEngine
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    path = build_vl_family("qwen2.5-vl", tmp_path_factory.mktemp("qwen25vl"))
+@pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
+def vl(request, tmp_path_factory):
+    path = build_vl_family(request.param, tmp_path_factory.mktemp(request.param))
     processor = load_processor(path)
     cfg = DataConfig(path="/nonexistent", image_key="image", prompt_key="q", answer_key="a", instruction="")
     rows = [

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from run_helpers import read_jsonl, run_args
-from vl_families import build_vl_family, picture
+from vl_families import VL_FAMILIES, build_vl_family, picture
 
 from rlkit.eval import main_from_config
 from rlkit.train import compose
@@ -44,8 +44,9 @@ def args(ckpt, data, run_dir, *extra):
     ]  # fmt: skip
 
 
-def test_a_vl_model_trains_on_images_with_the_hf_engine(tmp_path):
-    ckpt = build_vl_family("qwen2.5-vl", tmp_path / "qwen25vl")
+@pytest.mark.parametrize("family", sorted(VL_FAMILIES))
+def test_a_vl_model_trains_on_images_with_the_hf_engine(tmp_path, family):
+    ckpt = build_vl_family(family, tmp_path / family)
     data = image_dataset(tmp_path / "colours")
     run_dir = tmp_path / "run"
     run_args(args(ckpt, data, run_dir))
