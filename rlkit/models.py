@@ -633,7 +633,7 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
     are `images` (one rlkit.batch.Images or None per row, in row order): each processor tensor concatenated over
     the rows that have images (the placeholders of `input_ids` take the image features in that order) and, where
     the forward reads them, the token types (1 at image tokens: Qwen's 3D rotary positions are computed from
-    them and the grid sizes). {} when no row has an image."""
+    them and the grid sizes; Gemma 3 attends both ways inside an image). {} when no row has an image."""
     import inspect
 
     present = [x for x in images if x is not None] if images is not None else []
@@ -649,6 +649,8 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
     forward = inspect.signature(type(model).forward).parameters
     if image_token is not None and "mm_token_type_ids" in forward:
         kwargs["mm_token_type_ids"] = (input_ids == image_token).int()
+    elif image_token is not None and "token_type_ids" in forward:  # Gemma 3: attention within an image
+        kwargs["token_type_ids"] = (input_ids == image_token).long()
     return kwargs
 
 

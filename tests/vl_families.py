@@ -49,11 +49,13 @@ def picture(colour=(255, 0, 0), size=(56, 56), seed: int | None = None):
     return Image.fromarray(pixels.numpy(), "RGB")
 
 
-def _tokenizer(tokens: list[str], image_placeholder: str):
+def _tokenizer(tokens: list[str], image_placeholder: str, named: dict | None = None):
     from rlkit.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     tokenizer.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
+    if named:
+        tokenizer._set_model_specific_special_tokens(special_tokens=named)  # boi_token ... as attributes
     tokenizer.chat_template = _TEMPLATE.replace("IMAGE", image_placeholder)
     return tokenizer
 
@@ -138,6 +140,29 @@ def _qwen35(tokenizer):
     return config, image_processor, "Qwen3VLProcessor"
 
 
+def _gemma3(tokenizer):
+    """Gemma 3 with images: a SigLIP tower (32-pixel pictures, 8-pixel patches) pooled to 4 tokens per image,
+    the gemma3-text language model (sliding window, soft-capping off, q/k norms), bidirectional attention
+    inside an image (token_type_ids)."""
+    import transformers
+
+    ids = tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    config = transformers.Gemma3Config(
+        text_config=dict(
+            _TEXT, **_vocab(tokenizer), head_dim=HEAD_DIM, sliding_window=16, query_pre_attn_scalar=HEAD_DIM,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        vision_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            patch_size=8, vision_use_head=False,
+        ),
+        mm_tokens_per_image=4, boi_token_index=ids[0], eoi_token_index=ids[1], image_token_index=ids[2],
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    image_processor = transformers.Gemma3ImageProcessor(size={"height": 32, "width": 32})
+    return config, image_processor, {"processor_class": "Gemma3Processor", "image_seq_length": 4}
+
+
 _QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 _QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # display name -> (tokens added to the tokenizer, the chat template's placeholder for one image, builder)
@@ -145,6 +170,15 @@ VL_FAMILIES: dict[str, tuple[list[str], str, object]] = {
     "qwen2.5-vl": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen25_vl),
     "qwen3-vl": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen3_vl),
     "qwen3.5": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen35),
+    "gemma3": (["<start_of_image>", "<end_of_image>", "<image_soft_token>"], "<start_of_image>", _gemma3),
+}
+# Tokenizer attributes a family's processor reads (saved in tokenizer_config.json's extra_special_tokens).
+_NAMED_TOKENS = {
+    "gemma3": {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    },
 }
 
 
@@ -154,10 +188,14 @@ def build_vl_family(name: str, directory, *, seed: int = 0, processor: bool = Tr
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     tokens, placeholder, builder = VL_FAMILIES[name]
-    tokenizer = _tokenizer(tokens, placeholder)
+    tokenizer = _tokenizer(tokens, placeholder, _NAMED_TOKENS.get(name))
     config, image_processor, processor_class = builder(tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    projector = getattr(model.model, "multi_modal_projector", None)
+    if projector is not None and hasattr(projector, "mm_input_projection_weight"):
+        # Gemma 3 initialises its projector to zeros: a random model would not see its images at all.
+        torch.nn.init.normal_(projector.mm_input_projection_weight, std=0.5)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -168,6 +206,32 @@ def build_vl_family(name: str, directory, *, seed: int = 0, processor: bool = Tr
     tokenizer.save_pretrained(directory)
     if processor:
         image_processor.save_pretrained(directory)
-        (directory / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
+        if isinstance(processor_class, str):
+            processor_class = {"processor_class": processor_class}
+        (directory / "processor_config.json").write_text(json.dumps(processor_class))
         (directory / "chat_template.jinja").write_text(tokenizer.chat_template)
     return str(directory)
+
+
+def logprobs_alone(model, processor, text: str, pictures, response: list[int]) -> torch.Tensor:
+    """The naive reference for a row with images: the model on the one row, unpadded, given exactly what the
+    processor makes of its prompt (`text` and `pictures`; its per-token outputs, such as the image token types,
+    extended with zeros over the response) and nothing else (the model computes its own positions). The
+    log-probs of `response`'s tokens."""
+    if pictures:
+        out = processor(text=[text], images=list(pictures), return_tensors="pt", add_special_tokens=False)
+    else:
+        out = processor.tokenizer([text], return_tensors="pt", add_special_tokens=False)
+    prompt = out["input_ids"]
+    ids = torch.cat([prompt, torch.tensor([response])], 1)
+    kw = {}
+    for key, value in out.items():
+        if key in ("input_ids", "attention_mask"):
+            continue
+        if key.endswith("token_type_ids"):
+            value = torch.cat([value, torch.zeros(1, len(response), dtype=value.dtype)], 1)
+        kw[key] = value
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kw).logits.float()
+    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return logp[prompt.shape[1] - 1 :]

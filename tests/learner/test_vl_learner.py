@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from cfg_helpers import learner_cfg
-from vl_families import VL_FAMILIES, build_vl_family, picture
+from vl_families import VL_FAMILIES, build_vl_family, logprobs_alone, picture
 
 from rlkit.batch import Sequences
 from rlkit.config.schema import DataConfig
@@ -30,7 +30,7 @@ def vl(request, tmp_path_factory):
         {"q": "<image> and <image>: which?", "a": "y", "image": [picture(seed=2), picture((0, 0, 255))]},
         {"q": "No picture, text only.", "a": "z", "image": None},
     ]  # fmt: skip
-    return path, build_prompts(rows, processor.tokenizer, cfg, processor=processor)
+    return path, processor, build_prompts(rows, processor.tokenizer, cfg, processor=processor)
 
 
 def sequences(ps, response_lens=(5, 3, 6, 4), seed=0) -> Sequences:
@@ -46,17 +46,6 @@ def sequences(ps, response_lens=(5, 3, 6, 4), seed=0) -> Sequences:
     return Sequences(prompt_ids, prompt_mask, response_ids, response_mask, tuple(ps.images))
 
 
-def alone(model, prompt, response, images) -> torch.Tensor:
-    """The naive reference: the model on the one row, unpadded, with its processor's tensors."""
-    ids = torch.tensor([prompt + response])
-    kw = {}
-    if images is not None:
-        kw = dict(images.tensors, mm_token_type_ids=(ids == model.config.image_token_id).int())
-    with torch.no_grad():
-        logits = model(input_ids=ids, **kw).logits.float()
-    return torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
-
-
 def vl_cfg(path, **flat):
     cfg = learner_cfg(model_path=path, lr=1e-3, max_grad_norm=None, **flat)
     cfg.data.image_key = "image"
@@ -65,25 +54,28 @@ def vl_cfg(path, **flat):
 
 @pytest.mark.parametrize("chunk", [0, 8], ids=["full-head", "chunked"])
 def test_learner_logprobs_equal_each_row_alone(vl, chunk):
-    path, ps = vl
+    path, processor, ps = vl
     learner = Learner(vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000))
     rows = sequences(ps)
     got = learner.forward(rows).logprobs
     model = load_causal_lm(path, vision=True)
     for i in range(len(ps)):
         keep = rows.response_mask[i]
-        ref = alone(model, ps.token_ids[i], rows.response_ids[i][keep].tolist(), ps.images[i])
+        pictures = ps.images[i].pictures if ps.images[i] is not None else ()
+        ref = logprobs_alone(model, processor, ps.texts[i], pictures, rows.response_ids[i][keep].tolist())
         assert torch.allclose(got[i][keep], ref, atol=1e-4), (i, (got[i][keep] - ref).abs().max())
 
 
 def test_vision_tower_frozen_by_default_and_packing_off(vl, caplog):
-    path, _ = vl
+    path, _, _ = vl
     with caplog.at_level(logging.INFO, logger="rlkit.learner.batching"):
         learner = Learner(vl_cfg(path, pack_sequences=True))
     assert not learner.packed
     assert "packing is off for this model: it is a vision-language model" in caplog.text
     named = dict(learner.model.named_parameters())
-    visual = [n for n in named if ".visual." in f".{n}"]
+    visual = [
+        n for n in named if any(f".{t}." in f".{n}" for t in ("visual", "vision_tower", "vision_model"))
+    ]
     assert visual and not any(named[n].requires_grad for n in visual)
     assert all(p.requires_grad for n, p in named.items() if n not in visual)
     trained = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
@@ -94,7 +86,7 @@ def test_vision_tower_frozen_by_default_and_packing_off(vl, caplog):
 
 
 def test_lora_adapts_the_language_model_only(vl):
-    path, ps = vl
+    path, processor, ps = vl
     learner = Learner(vl_cfg(path, lora_rank=4))
     adapted = [n for n, _ in learner.model.named_parameters() if "lora_A" in n]
     assert adapted and all(".language_model." in n for n in adapted)

@@ -5,8 +5,7 @@ positions), whatever the left padding of the batch; the batch's rows carry their
 from __future__ import annotations
 
 import pytest
-import torch
-from vl_families import VL_FAMILIES, build_vl_family, picture
+from vl_families import VL_FAMILIES, build_vl_family, logprobs_alone, picture
 
 from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
@@ -32,19 +31,6 @@ def vl(request, tmp_path_factory):
     return path, processor, build_prompts(rows, processor.tokenizer, cfg, processor=processor)
 
 
-def alone(model, prompt: list[int], response: list[int], images) -> torch.Tensor:
-    """The naive reference: the model on the one row, unpadded, with its processor tensors."""
-    ids = torch.tensor([prompt + response])
-    kw = {}
-    if images is not None:
-        kw = dict(images.tensors)
-        kw["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
-    with torch.no_grad():
-        logits = model(input_ids=ids, **kw).logits.float()
-    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return logp[len(prompt) - 1 :]
-
-
 def test_hf_engine_samples_with_images_as_the_model_scores_them(vl):
     path, processor, ps = vl
     assert ps.images[2] is None and ps.images[0] is not None
@@ -59,16 +45,15 @@ def test_hf_engine_samples_with_images_as_the_model_scores_them(vl):
     for i in range(6):
         keep = rb.response_mask[i].bool()
         resp = rb.response_ids[i][keep].tolist()
-        ref = alone(model, ps.token_ids[i // 2], resp, ps.images[i // 2])
+        pictures = ps.images[i // 2].pictures if ps.images[i // 2] is not None else ()
+        ref = logprobs_alone(model, processor, ps.texts[i // 2], pictures, resp)
         gaps.append((ref - rb.rollout_logprobs[i][keep]).abs().max())
     assert max(gaps) < 1e-4, gaps
     # The pictures matter: the same prompt ids with another picture score the sampled tokens differently.
     keep = rb.response_mask[0].bool()
     resp = rb.response_ids[0][keep].tolist()
-    swapped = picture((0, 0, 255))
-    out = processor(text=[ps.texts[0]], images=[swapped], return_tensors="pt", add_special_tokens=False)
-    blue = type(ps.images[0])((swapped,), {k: out[k] for k in ("pixel_values", "image_grid_thw")}, "b")
-    assert (alone(model, ps.token_ids[0], resp, blue) - rb.rollout_logprobs[0][keep]).abs().max() > 1e-3
+    blue = logprobs_alone(model, processor, ps.texts[0], [picture((0, 0, 255))], resp)
+    assert (blue - rb.rollout_logprobs[0][keep]).abs().max() > 1e-3
 
 
 def test_images_for_a_text_model_are_refused(tiny_ckpt, vl):

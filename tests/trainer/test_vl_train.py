@@ -56,7 +56,8 @@ def test_a_vl_model_trains_on_images_with_the_hf_engine(tmp_path, family):
         assert abs(m["mismatch/kl"]) < 1e-5 and m["mismatch/logprob_abs_diff"] < 1e-4
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert samples and all(len(s["image"]) == 64 for s in samples)  # each sample names its image (sha256)
-    assert all("<|image_pad|>" in s["prompt"] for s in samples)
+    opening = VL_FAMILIES[family][0][0]  # the family's first image token (<|vision_start|>, <start_of_image>)
+    assert all(opening in s["prompt"] for s in samples)
 
 
 def test_rlkit_eval_evaluates_a_vl_checkpoint(tmp_path):
