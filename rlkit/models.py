@@ -641,7 +641,10 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
         return {}
     device = input_ids.device
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base
-    kwargs = {k: torch.cat([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
+    if "pixel_attention_mask" in present[0].tensors:  # Idefics3 / SmolVLM: [1, images, ...] per prompt
+        kwargs = {k: _cat_images([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
+    else:  # per image (Gemma 3) or per patch (Qwen) along the first dimension
+        kwargs = {k: torch.cat([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
     config = model.config
     image_token = getattr(config, "image_token_id", None)
     if image_token is None:
@@ -652,6 +655,16 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
     elif image_token is not None and "token_type_ids" in forward:  # Gemma 3: attention within an image
         kwargs["token_type_ids"] = (input_ids == image_token).long()
     return kwargs
+
+
+def _cat_images(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[1, n_i, ..., H_i, W_i] tensors -> [1, sum n_i, ..., max H, max W], zero-padded at the bottom and right
+    (as the processor pads the images of one call: the pixel mask marks the real pixels; the model matches
+    image features to image tokens in order, whatever row they sit in)."""
+    h = max(p.shape[-2] for p in parts)
+    w = max(p.shape[-1] for p in parts)
+    padded = [torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in parts]
+    return torch.cat(padded, 1)
 
 
 def has_3d_positions(model) -> bool:

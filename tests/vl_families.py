@@ -163,6 +163,31 @@ def _gemma3(tokenizer):
     return config, image_processor, {"processor_class": "Gemma3Processor", "image_seq_length": 4}
 
 
+_IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)
+]
+
+
+def _idefics3(tokenizer):
+    """SmolVLM / Idefics3: a SigLIP tower (32-pixel pictures, 8-pixel patches), pixel shuffle by 2 (4 tokens per
+    image), the Llama language model of model_families; no image splitting."""
+    import transformers
+
+    config = transformers.Idefics3Config(
+        text_config=dict(_TEXT, **_vocab(tokenizer), head_dim=HEAD_DIM, model_type="llama"),
+        vision_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+            patch_size=8,
+        ),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    image_processor = transformers.Idefics3ImageProcessor(
+        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+    )
+    return config, image_processor, {"processor_class": "Idefics3Processor", "image_seq_len": 4}
+
+
 _QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 _QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # display name -> (tokens added to the tokenizer, the chat template's placeholder for one image, builder)
@@ -170,6 +195,7 @@ VL_FAMILIES: dict[str, tuple[list[str], str, object]] = {
     "qwen2.5-vl": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen25_vl),
     "qwen3-vl": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen3_vl),
     "qwen3.5": (_QWEN_TOKENS, _QWEN_PLACEHOLDER, _qwen35),
+    "smolvlm": (_IDEFICS3_TOKENS, "<image>", _idefics3),
     "gemma3": (["<start_of_image>", "<end_of_image>", "<image_soft_token>"], "<start_of_image>", _gemma3),
 }
 # Tokenizer attributes a family's processor reads (saved in tokenizer_config.json's extra_special_tokens).

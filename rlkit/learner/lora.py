@@ -49,13 +49,17 @@ def add_adapters(model: torch.nn.Module, lora, *, gradient_checkpointing: bool =
     return peft_model
 
 
+LANGUAGE_MODELS = ("language_model", "text_model")
+"""The module of a vision-language model that holds its language model (Idefics3 / SmolVLM: text_model)."""
+
+
 def language_model_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """A vision-language model's LoRA targets: the full names of the linear layers of its language model that
     `targets` name (by last part, or all-linear), so that the vision tower (whose MLPs share names such as
     gate_proj with the language model's) gets no adapter."""
     names = [
         name for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and ".language_model." in f".{name}."
+        if isinstance(module, torch.nn.Linear) and any(f".{lm}." in f".{name}." for lm in LANGUAGE_MODELS)
         and ("all-linear" in targets or name.rsplit(".", 1)[-1] in targets)
     ]  # fmt: skip
     if not names:

@@ -56,8 +56,11 @@ def test_a_vl_model_trains_on_images_with_the_hf_engine(tmp_path, family):
         assert abs(m["mismatch/kl"]) < 1e-5 and m["mismatch/logprob_abs_diff"] < 1e-4
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert samples and all(len(s["image"]) == 64 for s in samples)  # each sample names its image (sha256)
-    opening = VL_FAMILIES[family][0][0]  # the family's first image token (<|vision_start|>, <start_of_image>)
-    assert all(opening in s["prompt"] for s in samples)
+    # Train rows show the expanded prompt (the family's first image token), eval rows the template's text (its
+    # placeholder for the picture).
+    tokens, placeholder, _ = VL_FAMILIES[family]
+    assert all(tokens[0] in s["prompt"] for s in samples if s["kind"] == "train")
+    assert all(placeholder in s["prompt"] for s in samples if s["kind"] == "eval")
 
 
 def test_rlkit_eval_evaluates_a_vl_checkpoint(tmp_path):
