@@ -46,6 +46,18 @@ def packing(requested: bool, model) -> bool:
     return False
 
 
+def check_sharded_images(images, *, sharded: bool) -> None:
+    """Under FSDP2 a VL model's vision tower is sharded: every rank must run it in every micro-batch, so a row
+    without images (which skips the tower) would leave the ranks in different collectives. Refused before any
+    collective, naming the keys."""
+    if sharded and (images is None or any(x is None for x in images)):
+        raise ValueError(
+            "trainer.strategy=fsdp2 with data.image_key: a batch holds rows without images, which would skip the "
+            "sharded vision tower on some ranks (the ranks' collectives then differ); give every row an image, or "
+            "train without FSDP2 (trainer.strategy=ddp)"
+        )
+
+
 # packed_gap's bound: fp32 and bf16 rounding stay far below it (a model that sees the other row: 0.3-1).
 PACKED_GAP = 0.05
 

@@ -50,6 +50,7 @@ from rlkit.learner import checkpoint, compiled, optim, teacher
 from rlkit.learner.batching import (
     Micro,
     MiniBatch,
+    check_sharded_images,
     microbatches,
     model_inputs,
     packing,
@@ -181,6 +182,7 @@ class Learner:
             )
         if values and self.value_model is None:
             raise ValueError("forward(values=True) needs a critic; set algo.value_model=true")
+        check_sharded_images(batch.images, sharded=self.vision and self.accelerator.is_fsdp2)
         rows = Sequences.of(batch)
         n, t_full = rows.response_ids.shape
         wanted = {
@@ -224,6 +226,7 @@ class Learner:
     def check_batch(self, batch: TrainBatch) -> None:
         """Raise if the configured loss needs a field the batch lacks (called before any collective)."""
         a = self.algo
+        check_sharded_images(batch.images, sharded=self.vision and self.accelerator.is_fsdp2)
         needs = [
             ("ref_logprobs", self.derived.kl_loss_coef > 0, f"algo.kl_coef={a.kl_coef} > 0"),
             ("rollout_logprobs", a.rollout_kl_coef > 0, f"algo.rollout_kl_coef={a.rollout_kl_coef} > 0"),

@@ -97,3 +97,17 @@ def test_lora_adapts_the_language_model_only(vl):
         names = [n for n, _ in learner.model.named_parameters()]
         assert any(n.endswith("visual.blocks.0.mlp.gate_proj.weight") for n in names)
     assert torch.isfinite(learner.forward(sequences(ps)).logprobs).all()
+
+
+def test_rows_without_images_are_refused_under_fsdp2():
+    from rlkit.batch import Images
+    from rlkit.learner.batching import check_sharded_images
+
+    pics = Images((), {}, "d")
+    check_sharded_images((pics, pics), sharded=True)
+    check_sharded_images((pics, None), sharded=False)
+    for images in ((pics, None), None):
+        with pytest.raises(
+            ValueError, match=r"trainer\.strategy=fsdp2 with data\.image_key: .*rows without images"
+        ):
+            check_sharded_images(images, sharded=True)
