@@ -261,3 +261,11 @@ def logprobs_alone(model, processor, text: str, pictures, response: list[int]) -
         logits = model(input_ids=ids, **kw).logits.float()
     logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     return logp[prompt.shape[1] - 1 :]
+
+
+def family_params() -> list:
+    """pytest params over VL_FAMILIES: Qwen2.5-VL in the fast tier, the other families `slow` (each costs a few
+    seconds per test; `make test` runs them all)."""
+    import pytest
+
+    return [pytest.param(f, marks=() if f == "qwen2.5-vl" else pytest.mark.slow) for f in sorted(VL_FAMILIES)]

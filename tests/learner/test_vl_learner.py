@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from cfg_helpers import learner_cfg
-from vl_families import VL_FAMILIES, build_vl_family, logprobs_alone, picture
+from vl_families import build_vl_family, family_params, logprobs_alone, picture
 
 from rlkit.batch import Sequences
 from rlkit.config.schema import DataConfig
@@ -19,7 +19,7 @@ from rlkit.learner import Learner
 from rlkit.models import load_causal_lm, load_processor
 
 
-@pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
+@pytest.fixture(scope="module", params=family_params())
 def vl(request, tmp_path_factory):
     path = build_vl_family(request.param, tmp_path_factory.mktemp(request.param))
     processor = load_processor(path)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_families import VL_FAMILIES, build_vl_family, picture
+from vl_families import build_vl_family, family_params, picture
 
 from rlkit.models import is_vision_language, load_causal_lm, load_processor
 
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
 
 
-@pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
+@pytest.fixture(scope="module", params=family_params())
 def vl_ckpt(request, tmp_path_factory):
     return request.param, build_vl_family(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -5,7 +5,7 @@ positions), whatever the left padding of the batch; the batch's rows carry their
 from __future__ import annotations
 
 import pytest
-from vl_families import VL_FAMILIES, build_vl_family, logprobs_alone, picture
+from vl_families import build_vl_family, family_params, logprobs_alone, picture
 
 from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
@@ -14,7 +14,7 @@ from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.engines.hf import HFEngine
 
 
-@pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
+@pytest.fixture(scope="module", params=family_params())
 def vl(request, tmp_path_factory):
     path = build_vl_family(request.param, tmp_path_factory.mktemp(request.param))
     processor = load_processor(path)
