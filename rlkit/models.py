@@ -702,3 +702,15 @@ def freeze_vision_tower(model) -> int:
         raise ValueError(f"{type(model).__name__} has no vision tower (none of {list(VISION_TOWERS)})")
     tower.requires_grad_(False)
     return sum(p.numel() for p in tower.parameters())
+
+
+def copy_processor(path: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
+    """Copy the processor's files of the checkpoint at `path` (a local folder) into `directory` (a checkpoint's
+    model folder written by a run with images), so that the checkpoint loads with its processor; returns the
+    names copied."""
+    source = Path(resolve_model(path)[0])
+    names = [*PROCESSOR_FILES, "chat_template.jinja", "chat_template.json"]
+    copied = [n for n in names if (source / n).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, Path(directory) / name)
+    return copied

@@ -10,6 +10,7 @@ from run_helpers import read_jsonl, run_args
 from vl_families import VL_FAMILIES, build_vl_family, picture
 
 from rlkit.eval import main_from_config
+from rlkit.models import is_vision_language, load_processor
 from rlkit.train import compose
 
 pytestmark = pytest.mark.slow  # trainer runs
@@ -49,11 +50,13 @@ def test_a_vl_model_trains_on_images_with_the_hf_engine(tmp_path, family):
     ckpt = build_vl_family(family, tmp_path / family)
     data = image_dataset(tmp_path / "colours")
     run_dir = tmp_path / "run"
-    run_args(args(ckpt, data, run_dir))
+    run_args(args(ckpt, data, run_dir, "trainer.save_every=2"))
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in m]
     assert [m["step"] for m in steps] == [1, 2] and steps[0]["grad_norm"] > 0
     for m in steps:  # the engine's log-probs are the learner's on prompts with images (fp32)
         assert abs(m["mismatch/kl"]) < 1e-5 and m["mismatch/logprob_abs_diff"] < 1e-4
+    saved = run_dir / "checkpoints" / "step_2" / "model"  # loads as a VL model with its processor
+    assert is_vision_language(saved) and load_processor(saved).image_processor is not None
     samples = read_jsonl(run_dir / "samples.jsonl")
     assert samples and all(len(s["image"]) == 64 for s in samples)  # each sample names its image (sha256)
     # Train rows show the expanded prompt (the family's first image token), eval rows the template's text (its
