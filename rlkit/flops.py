@@ -70,6 +70,10 @@ class ModelShape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
         cfg = model.config
+        if hasattr(
+            cfg, "get_text_config"
+        ):  # a VL model: its language model's shape (the tower's linears count)
+            cfg = cfg.get_text_config(decoder=True)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -276,6 +276,7 @@ class Learn:
             routed_experts=rb.routed_experts.to(self.device) if rb.routed_experts is not None else None,
             values=scores.values if a.value_model else None,
             returns=prepared.returns,
+            images=rb.images,
         )
 
     # -- the step's statistics -------------------------------------------------------------------------

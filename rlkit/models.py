@@ -455,14 +455,102 @@ def load_tokenizer(path: str | os.PathLike):
     return tokenizer
 
 
-def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu"):
-    """An `AutoModelForCausalLM` for `path` (see `resolve_model`) in `dtype` on `device`."""
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device="cpu", vision: bool = False
+):
+    """The policy model for `path` (see `resolve_model`) in `dtype` on `device`: an `AutoModelForCausalLM` (for a
+    vision-language checkpoint trained on text, its language model), or with `vision` (a run with images,
+    `data.image_key`) the checkpoint's `AutoModelForImageTextToText` (vision tower, projector and language
+    model, whose forward takes the processor's image tensors)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     directory, gguf_file = resolve_model(path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    if vision and not is_vision_language(path):
+        raise ValueError(
+            f"model.path={str(path)!r} is a text-only model (its config has no vision_config) but the run gives "
+            "images (data.image_key)"
+        )
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.to(device)
+
+
+def is_vision_language(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint at `path` is a vision-language model: its config has a vision config (Qwen2.5-VL,
+    Qwen3-VL, Qwen3.5, Idefics3 / SmolVLM, Gemma 3, LLaVA ...). Reads config.json only."""
+    directory, gguf_file = resolve_model(path)
+    if gguf_file:
+        return False
+    config = Path(directory) / "config.json"
+    if not config.is_file():  # a hub id: transformers reads (or fetches) its config
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(directory), "vision_config", None) is not None
+    return json.loads(read_regular(config)).get("vision_config") is not None
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def load_processor(path: str | os.PathLike):
+    """The `AutoProcessor` of a vision-language checkpoint, its tokenizer set up as `load_tokenizer`'s.
+
+    A checkpoint without a processor is an error naming `model.path`. Without torchvision, transformers cannot
+    build the video half of some processors (Qwen's); rlkit gives no videos, so the processor is then built
+    from its image processor and tokenizer alone (`video_processor=None`)."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    directory, _ = resolve_model(path)
+    local = Path(directory)
+    if local.is_dir() and not any((local / f).is_file() for f in PROCESSOR_FILES):
+        raise ValueError(
+            f"model.path={str(path)!r} is a vision-language checkpoint without a processor (none of "
+            f"{list(PROCESSOR_FILES)} in the folder): save the model's AutoProcessor beside it "
+            "(AutoProcessor.from_pretrained(base).save_pretrained(path))"
+        )
+    tokenizer = load_tokenizer(path)
+    try:
+        processor = AutoProcessor.from_pretrained(directory, tokenizer=tokenizer)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+        processor = _images_only_processor(
+            directory, tokenizer, AutoImageProcessor.from_pretrained(directory)
+        )
+    processor.tokenizer = tokenizer
+    if not getattr(processor, "chat_template", None):
+        processor.chat_template = tokenizer.chat_template
+    return processor
+
+
+def _images_only_processor(directory: str, tokenizer, image_processor):
+    """The checkpoint's processor class built with `video_processor=None` (see `load_processor`)."""
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    folder = Path(directory)
+    names = [
+        json.loads(read_regular(folder / f)).get("processor_class")
+        for f in PROCESSOR_FILES
+        if (folder / f).is_file()
+    ]
+    name = next(n for n in names if n)
+    cls = processor_class_from_name(name)
+
+    class ImagesOnly(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is not None:
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImagesOnly.__name__ = cls.__name__
+    template = folder / "chat_template.jinja"
+    chat_template = read_regular(template).decode() if template.is_file() else tokenizer.chat_template
+    return ImagesOnly(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=chat_template,
+    )
 
 
 def load_value_model(path: str):
@@ -567,3 +655,91 @@ def stateful_layers(config) -> list[str]:
 
     text = config.get_text_config(decoder=True)
     return sorted({t for t in get_layer_types_and_kwargs(text)[0] if t in STATEFUL_LAYER_TYPES})
+
+
+def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
+    """The keyword arguments a vision-language `model`'s forward takes for rows `input_ids` [B, L] whose images
+    are `images` (one rlkit.batch.Images or None per row, in row order): each processor tensor concatenated over
+    the rows that have images (the placeholders of `input_ids` take the image features in that order) and, where
+    the forward reads them, the token types (1 at image tokens: Qwen's 3D rotary positions are computed from
+    them and the grid sizes; Gemma 3 attends both ways inside an image). {} when no row has an image."""
+    import inspect
+
+    present = [x for x in images if x is not None] if images is not None else []
+    if not present:
+        return {}
+    device = input_ids.device
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base
+    if "pixel_attention_mask" in present[0].tensors:  # Idefics3 / SmolVLM: [1, images, ...] per prompt
+        kwargs = {k: _cat_images([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
+    else:  # per image (Gemma 3) or per patch (Qwen) along the first dimension
+        kwargs = {k: torch.cat([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
+    config = model.config
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None:
+        image_token = getattr(config, "image_token_index", None)
+    forward = inspect.signature(type(model).forward).parameters
+    if image_token is not None and "mm_token_type_ids" in forward:
+        kwargs["mm_token_type_ids"] = (input_ids == image_token).int()
+    elif image_token is not None and "token_type_ids" in forward:  # Gemma 3: attention within an image
+        kwargs["token_type_ids"] = (input_ids == image_token).long()
+    return kwargs
+
+
+def _cat_images(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[1, n_i, ..., H_i, W_i] tensors -> [1, sum n_i, ..., max H, max W], zero-padded at the bottom and right
+    (as the processor pads the images of one call: the pixel mask marks the real pixels; the model matches
+    image features to image tokens in order, whatever row they sit in)."""
+    h = max(p.shape[-2] for p in parts)
+    w = max(p.shape[-1] for p in parts)
+    padded = [torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in parts]
+    return torch.cat(padded, 1)
+
+
+def has_3d_positions(model) -> bool:
+    """Whether `model` (or a peft model's base) computes 3D rotary positions from its images (Qwen's VL models):
+    given images, it is then given no position ids."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hasattr(getattr(model, "model", None), "get_rope_index")
+
+
+def rope_deltas(model) -> torch.Tensor | None:
+    """[B, 1] the 3D rotary position offset of each row of `model`'s last prefill (Qwen's VL models: the next
+    text position is the row's length + delta), or None for a model without 3D positions."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "rope_deltas", None) if hasattr(inner, "get_rope_index") else None
+
+
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+"""The attribute of a VL model's inner model that holds its vision encoder: Qwen's VL models (`visual`, with its
+merger), Gemma 3 and LLaVA (`vision_tower`), Idefics3 / SmolVLM (`vision_model`)."""
+
+
+def vision_tower(model) -> torch.nn.Module | None:
+    """The vision encoder of a vision-language `model`, or None (a text model)."""
+    inner = getattr(model, "model", model)
+    return next(
+        (getattr(inner, a) for a in VISION_TOWERS if isinstance(getattr(inner, a, None), torch.nn.Module)),
+        None,
+    )
+
+
+def freeze_vision_tower(model) -> int:
+    """Freeze `model`'s vision encoder (`model.freeze_vision`); returns how many parameters it holds."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (none of {list(VISION_TOWERS)})")
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def copy_processor(path: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
+    """Copy the processor's files of the checkpoint at `path` (a local folder) into `directory` (a checkpoint's
+    model folder written by a run with images), so that the checkpoint loads with its processor; returns the
+    names copied."""
+    source = Path(resolve_model(path)[0])
+    names = [*PROCESSOR_FILES, "chat_template.jinja", "chat_template.json"]
+    copied = [n for n in names if (source / n).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, Path(directory) / name)
+    return copied

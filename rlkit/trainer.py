@@ -40,7 +40,7 @@ from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
 from rlkit.metrics import run_summary, to_host, without_absent_tasks
-from rlkit.models import load_tokenizer, model_shape
+from rlkit.models import copy_processor, load_tokenizer, model_shape
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.protocol import Rollouts
@@ -103,6 +103,8 @@ def write_checkpoint(
         extra = state(tmp)
         if is_main:
             tokenizer.save_pretrained(tmp / "model")
+            if getattr(learner, "vision", False):  # a run with images: the checkpoint keeps its processor
+                copy_processor(learner.cfg.model.path, tmp / "model")
             checkpoints.commit_checkpoint(tmp, final, {"step": step, **extra, "world_size": world})
             checkpoints.prune_checkpoints(run_dir, keep_last)
         accelerator.wait_for_everyone()

@@ -76,6 +76,7 @@ RANGES: dict[str, Range] = {
     "model.lora.alpha": _gt(0),
     "model.lora.dropout": Range(0, 1, hi_open=True),
     "data.max_prompt_tokens": _ge(1),
+    "data.max_image_pixels": _ge(1),
     "data.num_train": _ge(1),
     "data.num_eval": _ge(1),
     "rollout.group_size": _ge(1),

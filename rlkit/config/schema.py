@@ -75,6 +75,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    freeze_vision: bool = True
+    """Vision-language models: the vision tower (its encoder and merger) is frozen, as TRL and verl do; the
+    projector and the language model train. false trains the vision tower too. Ignored for text models."""
 
 
 @dataclass
@@ -106,6 +109,16 @@ class DataConfig:
     """Appended to every question."""
     max_prompt_tokens: int = 512
     """Prompts longer than this (in tokens, after templating) are dropped, with a logged count."""
+    image_key: Optional[str] = None
+    """Column holding each row's image(s) for a vision-language model: a path, bytes, a PIL image or a `datasets`
+    Image feature, or a list of them. null = text only. The model's processor renders the prompt with one image
+    placeholder per image (at each `<image>` in the question, else before it); image tokens count in
+    data.max_prompt_tokens."""
+    max_image_pixels: int = 4194304
+    """Largest image (width x height, as decoded) a row may carry; a bigger one is a start-up error naming the row
+    (or resized, with data.resize_images)."""
+    resize_images: bool = False
+    """Resize images over data.max_image_pixels down to it (aspect kept) instead of refusing them."""
     num_train: int = 2000
     """`arithmetic`, `pictures` and `reasoning_gym`: number of generated training problems."""
     num_eval: int = 200

@@ -358,6 +358,7 @@ def check_config(cfg) -> None:
             raise ConfigError(f"data.{key}={value!r} must be a non-empty string")
     if d.prompt_key == d.answer_key:
         raise ConfigError(f"data.prompt_key and data.answer_key are both {d.prompt_key!r}: use two columns")
+    check_images(cfg)
     if d.path == reasoning_gym.REASONING_GYM:
         reasoning_gym.check_tasks(reasoning_gym.plain(d.tasks))
     elif d.tasks:
@@ -397,4 +398,42 @@ def check_config(cfg) -> None:
     if local.is_file() and local.suffix not in FILE_TYPES:
         raise ConfigError(
             f"data.path={d.path!r}: file type {local.suffix!r} is not one of {list(FILE_TYPES)}"
+        )
+
+
+def check_images(cfg) -> None:
+    """`data.image_key` and its keys against the model: images need a vision-language checkpoint with its
+    processor (read from the folder's files, nothing loads); a VL checkpoint may train on text-only data."""
+    d = cfg.data
+    if d.max_image_pixels < 1:
+        raise ConfigError(f"data.max_image_pixels={d.max_image_pixels} must be at least 1")
+    if d.image_key is None:
+        return
+    if (
+        not isinstance(d.image_key, str)
+        or not d.image_key.strip()
+        or d.image_key in (d.prompt_key, d.answer_key)
+    ):
+        raise ConfigError(
+            f"data.image_key={d.image_key!r} must be a column name other than data.prompt_key and data.answer_key"
+        )
+    path = getattr(getattr(cfg, "model", None), "path", None)
+    if not path:
+        return
+    from rlkit.models import PROCESSOR_FILES, is_vision_language, resolve_model  # defers torch
+
+    try:
+        vision = is_vision_language(path)
+    except OSError:  # a hub id not reachable now: the model's own load says so
+        return
+    if not vision:
+        raise ConfigError(
+            f"data.image_key={d.image_key!r} gives images, but model.path={path!r} is a text-only model (its config "
+            "has no vision_config): use a vision-language checkpoint, or data.image_key=null"
+        )
+    folder = Path(resolve_model(path)[0])
+    if folder.is_dir() and not any((folder / f).is_file() for f in PROCESSOR_FILES):
+        raise ConfigError(
+            f"data.image_key={d.image_key!r}: model.path={path!r} is a vision-language checkpoint without a "
+            f"processor (none of {list(PROCESSOR_FILES)}): save its AutoProcessor beside it"
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +32,9 @@ class PromptSet:
     """Every column of each prompt's dataset row."""
     dropped: int = 0
     """Rows left out as longer than `data.max_prompt_tokens` (those far too long without being tokenized)."""
+    images: list = field(default_factory=list)
+    """With `data.image_key`: each prompt's `rlkit.batch.Images` (None for a row without images), built once
+    here; the prompt's token ids hold its placeholders expanded. Empty for text data."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -97,12 +101,18 @@ def max_token_chars(tokenizer) -> int | None:
 _LONGEST_ENTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (len, longest entry)
 
 
-def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -> PromptSet:
+def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train", processor=None) -> PromptSet:
     """Template and tokenise every row; drop prompts over `cfg.max_prompt_tokens` (count logged), those far
-    too long to ever fit (`max_prompt_chars`) before tokenizing them (one warning)."""
+    too long to ever fit (`max_prompt_chars`) before tokenizing them (one warning).
+
+    With `cfg.image_key` (and the model's `processor`), each row's images are decoded and the prompt rendered
+    through the processor (rlkit/data/images.py): its ids hold the expanded image tokens, which count in
+    `cfg.max_prompt_tokens`; the row's image column is replaced by the images' digest in `rows`."""
     if cfg.template == "chat" and not getattr(tokenizer, "chat_template", None):
         log.warning("data.template='chat' but the tokenizer has no chat template: using the plain template")
-    ids, texts, answers, messages, rows = [], [], [], [], []
+    if cfg.image_key is not None and processor is None:
+        raise ValueError(f"data.image_key={cfg.image_key!r} needs a vision-language model with its processor")
+    ids, texts, answers, messages, rows, images = [], [], [], [], [], []
     dropped = 0
     max_chars, huge = max_prompt_chars(tokenizer, cfg), []
     for i, row in enumerate(dataset):
@@ -110,7 +120,11 @@ def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -
         if max_chars is not None and len(question) > max_chars:
             huge.append((i + 1, len(question)))
             continue
-        text, tok = render_prompt(question, tokenizer, cfg)
+        row = dict(row)
+        if cfg.image_key is None:
+            text, tok = render_prompt(question, tokenizer, cfg)
+        else:
+            text, tok, pictures = _render_row(question, row, processor, cfg, i + 1)
         if len(tok) > cfg.max_prompt_tokens:
             dropped += 1
             continue
@@ -118,7 +132,9 @@ def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -
         texts.append(text)
         answers.append(str(row[cfg.answer_key]))
         messages.append(prompt_messages(question, cfg))
-        rows.append(dict(row))
+        rows.append(row)
+        if cfg.image_key is not None:
+            images.append(pictures)
     if huge:
         log.warning(
             "%s prompts: dropped %d rows of over %d characters without tokenizing them (data.max_prompt_tokens"
@@ -135,7 +151,27 @@ def build_prompts(dataset, tokenizer, cfg: DataConfig, *, name: str = "train") -
     )
     if not ids:
         raise ValueError(f"no {name} prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens}")
-    return PromptSet(ids, texts, answers, messages, rows, dropped + len(huge))
+    return PromptSet(ids, texts, answers, messages, rows, dropped + len(huge), images)
+
+
+def _render_row(question: str, row: dict, processor, cfg: DataConfig, number: int):
+    """(text, expanded ids, Images or None) of dataset row `number` (1-based) with images; the row's image
+    column becomes the images' digest."""
+    from rlkit.data import images as row_images  # defers torch (rlkit.batch)
+
+    if cfg.image_key not in row:
+        raise ValueError(
+            f"data.image_key={cfg.image_key!r} is not a column of the data (columns: {sorted(row)})"
+        )
+    value = row[cfg.image_key]
+    local = Path(cfg.path).expanduser()
+    base = (local if local.is_dir() else local.parent) if local.exists() else None
+    pictures = row_images.row_pictures(value, cfg, number, base)
+    text, tok, imgs = row_images.render_with_images(
+        prompt_messages(question, cfg), pictures, processor, cfg, number, value
+    )
+    row[cfg.image_key] = imgs.digest if imgs is not None else None
+    return text, tok, imgs
 
 
 class PromptOrder:

@@ -28,7 +28,12 @@ def packing(requested: bool, model) -> bool:
     if not requested:
         return False
     stateful = stateful_layers(model.config)
-    if stateful:
+    if getattr(model.config, "vision_config", None) is not None and hasattr(model, "get_image_features"):
+        why = (
+            "it is a vision-language model: a packed row's images and 3D rotary positions are not laid out per "
+            "row by rlkit yet"
+        )
+    elif stateful:
         why = (
             f"its {'/'.join(stateful)} layers carry state from one position to the next and transformers' kernels "
             "for them take no row boundaries (a packed row would start from the previous row's state)"
@@ -39,6 +44,18 @@ def packing(requested: bool, model) -> bool:
         return True
     log.info("trainer.pack_sequences=true: packing is off for this model: %s; rows are padded instead", why)
     return False
+
+
+def check_sharded_images(images, *, sharded: bool) -> None:
+    """Under FSDP2 a VL model's vision tower is sharded: every rank must run it in every micro-batch, so a row
+    without images (which skips the tower) would leave the ranks in different collectives. Refused before any
+    collective, naming the keys."""
+    if sharded and (images is None or any(x is None for x in images)):
+        raise ValueError(
+            "trainer.strategy=fsdp2 with data.image_key: a batch holds rows without images, which would skip the "
+            "sharded vision tower on some ranks (the ranks' collectives then differ); give every row an image, or "
+            "train without FSDP2 (trainer.strategy=ddp)"
+        )
 
 
 # packed_gap's bound: fp32 and bf16 rounding stay far below it (a model that sees the other row: 0.3-1).
@@ -168,6 +185,8 @@ class Inputs:
     shape: tuple[int, int]
     routes: Tensor | None = None
     """[rows, columns, L, k]: the engine's expert choices at every input position (routing replay), or None."""
+    images: tuple | None = None
+    """Each row's rlkit.batch.Images or None (padded layout only): `rlkit.models.image_kwargs` of the forward."""
 
     def scatter(self, values: Tensor) -> Tensor:
         """[M] -> [n, t], 0 at positions not scored (differentiable, out of place)."""
@@ -181,6 +200,9 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
     so transformers' mask builders (sdpa, eager, flex) and flash-attention's varlen path keep attention
     inside each row (they detect the restarts in position_ids)."""
     p_max, t, b = m.prompt_len, m.response_len, m.batch
+    images = b.images if b.images is not None and any(x is not None for x in b.images) else None
+    if packed and images is not None:
+        raise ValueError("packed micro-batches with images: packing is off for vision-language models")
     scored = [max(1, r) for _, r in m.lens]
     rows = torch.repeat_interleave(torch.arange(len(scored)), torch.tensor(scored))
     pos = torch.cat([torch.arange(r) for r in scored])
@@ -229,6 +251,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         pos.to(**dev),
         (len(scored), t),
         routes,
+        images,
     )
 
 

@@ -51,6 +51,7 @@ from rlkit.learner import checkpoint, compiled, optim, routing, teacher
 from rlkit.learner.batching import (
     Micro,
     MiniBatch,
+    check_sharded_images,
     microbatches,
     model_inputs,
     packing,
@@ -63,7 +64,14 @@ from rlkit.learner.loss import MicroInputs, micro_loss
 from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
-from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model, train_without_dropout
+from rlkit.models import (
+    eval_mode,
+    freeze_vision_tower,
+    load_causal_lm,
+    load_tokenizer,
+    load_value_model,
+    train_without_dropout,
+)
 from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
@@ -92,10 +100,13 @@ class Learner:
         self.lora = m.lora.rank > 0
         # fp32 master weights; accelerate casts compute to bf16 under mixed precision. With LoRA only
         # the adapters train: the frozen base is loaded in the compute dtype (no fp32 master copy).
+        self.vision = cfg.data.image_key is not None  # the VL model whole, its forward taking the images
         policy = load_causal_lm(
-            m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu"
+            m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu", vision=self.vision
         )
         policy.config.use_cache = False
+        if self.vision and m.freeze_vision:
+            freeze_vision_tower(policy)
         self.packed = packing(t.pack_sequences, policy)
         # Mixture-of-experts: no router auxiliary (load-balancing) loss. rlkit's loss is built from the
         # log-probs alone and transformers adds that term only to its own `loss` (with labels, which rlkit never
@@ -112,7 +123,7 @@ class Learner:
         self.ref_model = None
         if a.kl_coef > 0 and not self.lora:  # LoRA: the base, adapters off
             self.ref_model = self._prepare_frozen(
-                load_causal_lm(m.path, dtype=self.compute_dtype, device="cpu")
+                load_causal_lm(m.path, dtype=self.compute_dtype, device="cpu", vision=self.vision)
             )
         self.teacher = None  # on-policy distillation's teacher: frozen, never the policy with adapters off
         if teacher.enabled(cfg):
@@ -181,6 +192,7 @@ class Learner:
             )
         if values and self.value_model is None:
             raise ValueError("forward(values=True) needs a critic; set algo.value_model=true")
+        check_sharded_images(batch.images, sharded=self.vision and self.accelerator.is_fsdp2)
         rows = Sequences.of(batch)
         n, t_full = rows.response_ids.shape
         wanted = {
@@ -224,6 +236,7 @@ class Learner:
     def check_batch(self, batch: TrainBatch) -> None:
         """Raise if the configured loss needs a field the batch lacks (called before any collective)."""
         a = self.algo
+        check_sharded_images(batch.images, sharded=self.vision and self.accelerator.is_fsdp2)
         needs = [
             ("ref_logprobs", self.derived.kl_loss_coef > 0, f"algo.kl_coef={a.kl_coef} > 0"),
             ("rollout_logprobs", a.rollout_kl_coef > 0, f"algo.rollout_kl_coef={a.rollout_kl_coef} > 0"),

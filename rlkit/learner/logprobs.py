@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rlkit.learner.routing import set_routes
+from rlkit.models import has_3d_positions, image_kwargs
 
 # FSDP2 warns, once per process, when a wrapped module's output holds a view (an in-place op on it would skip the
 # module's pre-backward hook). With `output_hidden_states` (the chunked head below) the embedding's output,
@@ -233,6 +234,10 @@ def chunkable_head(model) -> torch.nn.Module | None:
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(
+        cfg, "get_text_config"
+    ):  # a VL model's head settings sit in its text config
+        cfg = cfg.get_text_config(decoder=True)
     special = [
         getattr(cfg, "final_logit_softcapping", None),
         getattr(cfg, "logit_scale", None),
@@ -266,6 +271,13 @@ def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float
     kw = dict(input_ids=inp.input_ids, attention_mask=inp.attention_mask, position_ids=inp.position_ids)
     # routing replay: the routers take the engine's experts (a model without hooks, e.g. the reference, ignores it)
     set_routes(unwrapped, inp.routes)
+    vision = image_kwargs(unwrapped, inp.images, inp.input_ids)
+    if vision:
+        kw.update(vision)
+        if has_3d_positions(unwrapped):
+            # Qwen's 3D rotary positions: the model computes them from the mask and the grid sizes, for the
+            # left-padded row as for the row alone (and as the engine's prefill does).
+            kw["position_ids"] = None
     trunc = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     head = chunkable_head(unwrapped) if chunk_tokens else None
     if head is not None:

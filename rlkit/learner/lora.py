@@ -33,17 +33,40 @@ def add_adapters(model: torch.nn.Module, lora, *, gradient_checkpointing: bool =
     require grad."""
     from peft import LoraConfig, get_peft_model
 
+    targets = list(lora.target_modules)
+    if getattr(model.config, "vision_config", None) is not None and hasattr(model, "get_image_features"):
+        targets = language_model_targets(model, targets)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
         bias="none",
     )
     peft_model = get_peft_model(model, config)
     if gradient_checkpointing:  # inputs of a frozen embedding need grad for checkpointed blocks
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+LANGUAGE_MODELS = ("language_model", "text_model")
+"""The module of a vision-language model that holds its language model (Idefics3 / SmolVLM: text_model)."""
+
+
+def language_model_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """A vision-language model's LoRA targets: the full names of the linear layers of its language model that
+    `targets` name (by last part, or all-linear), so that the vision tower (whose MLPs share names such as
+    gate_proj with the language model's) gets no adapter."""
+    names = [
+        name for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and any(f".{lm}." in f".{name}." for lm in LANGUAGE_MODELS)
+        and ("all-linear" in targets or name.rsplit(".", 1)[-1] in targets)
+    ]  # fmt: skip
+    if not names:
+        raise ConfigError(
+            f"model.lora.target_modules={targets!r} names no linear layer of the language model"
+        )
+    return names
 
 
 def base_name(name: str) -> str | None:

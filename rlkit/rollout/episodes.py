@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlkit.batch import NO_VERSION, RolloutBatch, generation_stats
+from rlkit.batch import NO_VERSION, Images, RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
 from rlkit.data.prompts import max_chars, max_token_chars
 from rlkit.envs import SingleTurn, resolve_env
@@ -60,6 +60,8 @@ class Episode:
     """"error" or "timeout" when an environment call failed (the episode's reward is then 0)."""
     why: str = ""
     """The failure's reason (logged once per batch and reason)."""
+    images: Images | None = None
+    """The first prompt's images (rlkit.batch.Images): they stay with the episode through its turns."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ def _first_prompt(tokenizer, first: list[dict], context: int | None) -> tuple[li
     return ids, None
 
 
-def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_position):
+def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_position, images=None):
     """n episodes per prompt, each with its own environment (built and reset by `runner` from the prompt's
     dataset row). Returns the episodes and the environment's stop strings. An episode whose environment
     cannot be built or reset, or whose first messages leave no room in the context, has failed already
@@ -205,6 +207,9 @@ def _start(runner, prompts, messages, rows, n, tokenizer, *, context, first_posi
         for j, (status, out) in enumerate(outs):
             k = i * n + j
             e = Episode(list(ids), list(first), k, (first_position + i) * n + j)
+            e.images = images[i] if images is not None else None
+            if e.images is not None and first != msgs and not problem:
+                problem = "an environment's first messages replace a prompt with images: not supported"
             if status != "ok" or problem:
                 e.messages = list(msgs)
                 _fail(e, status if status != "ok" else "error", out if status != "ok" else problem)
@@ -307,8 +312,9 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, to
     for r, e in enumerate(episodes):
         model_mask[r, : len(e.model)] = torch.tensor(e.model, dtype=torch.bool)
     stats = generation_stats(batch.prompt_mask, batch.response_mask, model_mask, gen_seconds)
+    pics = _images([e.images for e in episodes])
     return EpisodeBatch(
-        rollout=dataclasses.replace(batch, response_mask=model_mask, stats=stats),
+        rollout=dataclasses.replace(batch, response_mask=model_mask, stats=stats, **pics),
         env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
         failed=torch.tensor([e.failed is not None for e in episodes], dtype=torch.bool),
         stats={
@@ -320,6 +326,11 @@ def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, to
         timeouts=sum(e.failed == "timeout" for e in episodes),
         first_failure=next((e.why for e in episodes if e.failed is not None), ""),
     )
+
+
+def _images(pics: list) -> dict:
+    """{"images": tuple} when any episode has images, else {} (a text-only call stays as it was)."""
+    return {"images": tuple(pics)} if any(x is not None for x in pics) else {}
 
 
 def run_episodes(
@@ -341,11 +352,13 @@ def run_episodes(
     context: int | None = None,
     first_position: int = 0,
     limits: Limits = DEFAULT_LIMITS,
+    images: list | None = None,
 ) -> EpisodeBatch:
     """Run n episodes per prompt to the end; episodes of prompt i are rows i*n ... i*n+n-1.
 
     `generate(prompts, n, sampling, turn, positions) -> RolloutBatch` samples one turn (the caller
-    seeds it); `positions` are the global indices of the episodes (turns after the first). The
+    seeds it); `positions` are the global indices of the episodes (turns after the first); with `images`
+    (one rlkit.batch.Images or None per prompt) it is also given `images=` for the rows it samples. The
     environments live in worker processes for the batch (rlkit/envs/workers.py), closed on return;
     `single_turn` runs in this process (no process, no thread).
     """
@@ -357,7 +370,7 @@ def run_episodes(
     try:
         episodes, env_stop = _start(
             runner, prompts, messages, rows, n, tokenizer,
-            context=context, first_position=first_position,
+            context=context, first_position=first_position, images=images,
         )  # fmt: skip
         stop = tuple(sampling.stop) + tuple(s for s in env_stop if s not in sampling.stop)
         limits = dict(
@@ -396,7 +409,8 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
             rows = [
                 i for i in range(len(episodes) // n) if any(not e.done for e in episodes[i * n : i * n + n])
             ]
-            rb = generate([episodes[i * n].prompt for i in rows], n, s, 0, None)
+            pics = [episodes[i * n].images for i in rows]
+            rb = generate([episodes[i * n].prompt for i in rows], n, s, 0, None, **_images(pics))
             if (
                 single
                 and len(rows) * n == len(episodes)
@@ -405,7 +419,10 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
                 return one, 0.0
             live = [episodes[i * n + j] for i in rows for j in range(n)]
         else:
-            rb = generate([e.prompt + e.ids for e in live], 1, s, turn, [e.position for e in live])
+            pics = [e.images for e in live]
+            rb = generate(
+                [e.prompt + e.ids for e in live], 1, s, turn, [e.position for e in live], **_images(pics)
+            )
         gen_seconds += rb.stats.get("gen_seconds", 0.0)
         stepping = _take_turn(live, rb, room, tokenizer)
         # Told with each step, the worker refuses an observation longer in characters than the episode's

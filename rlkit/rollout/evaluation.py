@@ -63,6 +63,8 @@ class PromptResult:
     """Each sample's reward terms (per function, `env`)."""
     tool_calls: float = 0.0
     """Tool calls summed over the n samples."""
+    image: str | None = None
+    """The digest of the prompt's images (rlkit.batch.Images.digest), None for a text prompt."""
 
     @property
     def num_correct(self) -> int:
@@ -72,6 +74,8 @@ class PromptResult:
         """The JSON form eval.json keeps: counts, verdicts, rewards and answers (and the responses)."""
         out = asdict(self)
         out["num_correct"] = self.num_correct
+        if self.image is None:
+            out.pop("image")
         if not with_samples:
             for key in ("responses", "finish_reasons", "lengths", "parts"):
                 out.pop(key)
@@ -136,6 +140,7 @@ def _score(scorer, prompts, mine: list[int], n: int, episodes, task_key: str) ->
                 lengths=lengths[s],
                 parts=parts[s],
                 tool_calls=float(sum(tools[s])),
+                image=prompts.images[i].digest if prompts.images and prompts.images[i] is not None else None,
             )  # fmt: skip
         )
     return out

@@ -15,6 +15,7 @@ import torch
 from rlkit.batch import ScoredBatch
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import PromptOrder, build_prompts
+from rlkit.models import load_processor
 from rlkit.rewards import RewardScorer
 from rlkit.rewards.model import RewardModel
 from rlkit.rollout.engines import make_engine
@@ -60,8 +61,14 @@ class LocalRollouts:
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         train_ds, eval_ds = load_splits(cfg.data, seed=t.seed, env=cfg.env)
-        self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train")
-        self.eval_prompts = build_prompts(eval_ds, tokenizer, cfg.data, name="eval") if len(eval_ds) else None
+        # Images (data.image_key): the VL model's processor renders each prompt once, here.
+        processor = load_processor(cfg.model.path) if cfg.data.image_key is not None else None
+        self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train", processor=processor)
+        self.eval_prompts = (
+            build_prompts(eval_ds, tokenizer, cfg.data, name="eval", processor=processor)
+            if len(eval_ds)
+            else None
+        )
         self.order = PromptOrder(len(self.train_prompts), seed=t.seed)
         self.scorer = RewardScorer(
             cfg.reward.fn,
@@ -89,6 +96,7 @@ class LocalRollouts:
             **(
                 {"routing_replay": True} if cfg.algo.routing_replay else {}
             ),  # vLLM returns each token's experts
+            vision=processor is not None,
             **r.engine_kwargs,
         )
         reward_model = None

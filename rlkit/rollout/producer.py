@@ -138,23 +138,31 @@ class Producer:
             self.engine.sleep(keep_weights=not self._push_comes_next)
 
     def generate(
-        self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0, positions=None
-    ):
+        self, prompts: list[list[int]], n: int, sampling, seed: int, *, first_prompt: int = 0, positions=None,
+        images=None,
+    ):  # fmt: skip
         """engine.generate, seeded so the samples are a pure function of (seed, step, rank).
 
         With rollout.seed_per_prompt each prompt gets its own call seeded by its position in the global
         batch (`first_prompt` + j, or `positions[j]` when given), so the samples do not depend on the
-        number of ranks.
+        number of ranks. `images` (aligned with `prompts`, or None) go to the engine with their prompts.
         """
         with self.awake():
             if not self.cfg.rollout.seed_per_prompt:
-                return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+                if images is None:
+                    return self.engine.generate(prompts, n, dataclasses.replace(sampling, seed=seed))
+                return self.engine.generate(
+                    prompts, n, dataclasses.replace(sampling, seed=seed), images=images
+                )
             if positions is None:
                 positions = [first_prompt + j for j in range(len(prompts))]
-            parts = [
-                self.engine.generate([p], n, dataclasses.replace(sampling, seed=sampling_seed(seed, 0, pos)))
-                for p, pos in zip(prompts, positions)
-            ]
+            parts = []
+            for j, (p, pos) in enumerate(zip(prompts, positions)):
+                s = dataclasses.replace(sampling, seed=sampling_seed(seed, 0, pos))
+                if images is None:
+                    parts.append(self.engine.generate([p], n, s))
+                else:
+                    parts.append(self.engine.generate([p], n, s, images=[images[j]]))
             return concat_rollouts(parts)
 
     def episodes(self, prompt_set, indices: list[int], n: int, sampling, seed: int, *, first_prompt: int = 0):
@@ -167,10 +175,12 @@ class Producer:
 
         env = self.cfg.env
 
-        def gen(prompts, k, s, turn, positions):
+        def gen(prompts, k, s, turn, positions, images=None):
             if turn == 0:
-                return self.generate(prompts, k, s, seed, first_prompt=first_prompt)
-            return self.generate(prompts, k, s, sampling_seed(seed, turn, 0, salt=7), positions=positions)
+                return self.generate(prompts, k, s, seed, first_prompt=first_prompt, images=images)
+            return self.generate(
+                prompts, k, s, sampling_seed(seed, turn, 0, salt=7), positions=positions, images=images
+            )
 
         eos = getattr(self.engine, "eos_ids", None) or [self.tokenizer.eos_token_id]
         pad = getattr(self.engine, "pad_id", None)
@@ -183,6 +193,7 @@ class Producer:
                 timeout_s=env.timeout_s, eos_ids=set(eos), pad_id=pad if pad is not None else eos[0],
                 context=getattr(self.engine, "context", None), first_position=first_prompt,
                 limits=limits_of(env),
+                images=[prompt_set.images[i] for i in indices] if prompt_set.images else None,
             )  # fmt: skip
 
     # -- one generation batch --------------------------------------------------------------------

@@ -31,6 +31,8 @@ def train_rows(produced: ScoredBatch, tokenizer, limit: int, step: int) -> list[
                 "length": int(rb.response_lengths[i]),
             }  # fmt: skip
         )
+        if rb.images is not None and rb.images[i] is not None:  # the picture(s) beside the completion
+            rows[-1]["image"] = rb.images[i].digest
     return rows
 
 
@@ -54,4 +56,6 @@ def eval_rows(results: list[PromptResult], limit: int, step: int) -> list[dict]:
                     "length": r.lengths[j],
                 }  # fmt: skip
             )
+            if r.image is not None:
+                rows[-1]["image"] = r.image
     return rows

@@ -230,6 +230,14 @@ BAD = [
     ("data.prompt_key", "answer", ["data.prompt_key and data.answer_key are both 'answer'"]),
     ("data.answer_key", "", ["data.answer_key='' must be a non-empty string"]),
     ("data.template", "jinja", ["data.template='jinja' is not one of ['chat', 'plain']"]),
+    ("data.image_key", "answer", ["data.image_key='answer' must be a column name other than"]),
+    (
+        "data.image_key",
+        "image",
+        ["data.image_key='image' gives images, but model.path='smollm2-135m' is a text-only"],
+    ),
+    ("data.resize_images", "maybe", ["data.resize_images", "maybe"]),
+    ("model.freeze_vision", "maybe", ["model.freeze_vision", "maybe"]),
     ("data.system_prompt", [1], ["data.system_prompt"]),
     ("data.instruction", {"a": 1}, ["data.instruction"]),
     ("data.num_train", 400, ["data.num_train + data.num_eval = 440 exceeds the 400 distinct problems"]),
@@ -375,7 +383,7 @@ BAD = [
 ]
 # One value outside each numeric key's range (int keys get ints), chosen from the range by hand.
 OUT_OF_RANGE = {
-    "data.eval_size": -1, "data.max_prompt_tokens": 0, "data.num_train": 0, "data.num_eval": 0,
+    "data.eval_size": -1, "data.max_prompt_tokens": 0, "data.max_image_pixels": 0, "data.num_train": 0, "data.num_eval": 0,
     "rollout.group_size": 0, "rollout.temperature": -0.5, "rollout.top_p": 1.5, "rollout.top_k": -1,
     "rollout.max_new_tokens": 0, "rollout.mismatch_samples": -1, "rollout.weight_sync_kl_threshold": 0.0,
     "rollout.accept_engine_gap": 0.0,

@@ -454,3 +454,31 @@ def test_multiturn_start_up_check_of_the_chat_template(tok):
         ConfigError, match=r"env.name='calculator' with env.max_turns=3 .*data.template='chat'"
     ):
         check_multiturn_template(tok, cfg, question)
+
+
+class ScriptedWithImages(Scripted):
+    """Scripted, recording the images it is given with each call."""
+
+    def __call__(self, prompts, n, sampling, turn, positions, images=None):
+        self.seen = getattr(self, "seen", []) + [images]
+        return super().__call__(prompts, n, sampling, turn, positions)
+
+
+def test_the_first_prompts_images_stay_with_the_episode(tok):
+    """Multi-turn (calculator): every turn's call gets each live episode's first-prompt Images, and the finished
+    batch's rows carry them; a prompt without images has None beside it."""
+    from rlkit.batch import Images
+
+    question = [{"role": "user", "content": "What is 12*7+3?"}]
+    prompt = encode(tok, tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True))
+    pics = Images((), {"pixel_values": torch.zeros(4, 3)}, "abc")
+    script = [tok.encode("<calc>12*7</calc>"), tok.encode("#### 87")]
+    engine = ScriptedWithImages(tok, script)
+    out = run_episodes(
+        engine, tok, [prompt, prompt], [question, question], [{"question": "q"}] * 2, 2,
+        Sampling(max_new_tokens=50), env_name="calculator", env_kwargs={}, max_turns=4, max_total_tokens=200,
+        eos_ids={EOS}, pad_id=EOS, timeout_s=5.0, images=[pics, None],
+    )  # fmt: skip
+    assert engine.seen[0] == (pics, None)  # turn 0: one entry per prompt (n=2 each)
+    assert engine.seen[1] == (pics, pics, None, None)  # turn 1: one per live episode
+    assert out.rollout.images == (pics, pics, None, None)

@@ -153,3 +153,26 @@ def test_a_crafted_pending_file_is_refused_naming_it_and_never_run(tmp_path):
     with pytest.raises(MessageError, match="rollouts.safetensors is not a pending-batches file"):
         load_pending(path)
     assert not marker.exists()
+
+
+def test_a_batch_with_images_round_trips():
+    """Images travel as pixel tensors, their processor tensors and digest; pictures come back pixel for pixel."""
+    from PIL import Image
+
+    from rlkit.batch import Images
+
+    red = Image.new("RGB", (5, 3), (255, 0, 0))
+    noise = Image.frombytes("RGB", (2, 4), bytes(range(24)))
+    pics = Images(
+        (red, noise), {"pixel_values": torch.randn(6, 4), "image_grid_thw": torch.tensor([[1, 2, 2]])}, "d"
+    )
+    batch = scored()
+    batch = dataclasses.replace(
+        batch, rollout=dataclasses.replace(batch.rollout, images=(pics, pics, None, None))
+    )
+    back = loads(dumps(BatchShare(worker=0, index=1, batch=batch, position=0, seconds={})), TO_LEARNER).batch
+    got = back.rollout.images
+    assert got[2:] == (None, None) and got[0].digest == "d"
+    assert same(got[0].tensors, pics.tensors)
+    assert [p.size for p in got[1].pictures] == [(5, 3), (2, 4)]
+    assert [p.tobytes() for p in got[1].pictures] == [red.tobytes(), noise.tobytes()]

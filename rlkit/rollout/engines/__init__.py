@@ -98,6 +98,7 @@ def make_engine(
     seed: int = 0,
     colocated: bool = True,
     tokenizer=None,
+    vision: bool = False,
     **engine_kwargs,
 ) -> RolloutEngine:
     """Build the rollout engine `engine` ("auto", "hf" or "vllm") for `model_path`.
@@ -110,7 +111,8 @@ def make_engine(
     vLLM takes its platform's device (this rank's GPU, or the CPU). `engine_kwargs` go to the engine's constructor
     (e.g. `kv_cache_gib`, `enforce_eager` or `gpu_memory_utilization` for vLLM, `max_batch_size` for HF).
     `colocated=False`: the engine has its device to itself (an async rollout worker); vLLM then sizes its memory
-    for that and does not sleep (`rlkit.rollout.engines.vllm.memory.memory_plan`).
+    for that and does not sleep (`rlkit.rollout.engines.vllm.memory.memory_plan`). `vision`: prompts come with
+    images (data.image_key): the HF engine loads the vision-language checkpoint whole.
     """
     engine = resolve_engine(engine, model_path, dtype=dtype)
     dtype = torch_dtype(dtype)
@@ -121,6 +123,8 @@ def make_engine(
         )
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    if vision:
+        engine_kwargs["vision"] = True
     return cls(model_path, tokenizer, dtype=dtype, device=device, seed=seed, **engine_kwargs)
 
 

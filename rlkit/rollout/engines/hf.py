@@ -12,6 +12,7 @@ carry a recurrent or convolution state, which transformers' cache cannot repeat)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Collection, Iterable
@@ -20,9 +21,16 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from rlkit.batch import RolloutBatch
+from rlkit.batch import Images, RolloutBatch
 from rlkit.digests import tensor_digest, to_host
-from rlkit.models import load_causal_lm, load_tokenizer, stateful_layers
+from rlkit.models import (
+    has_3d_positions,
+    image_kwargs,
+    load_causal_lm,
+    load_tokenizer,
+    rope_deltas,
+    stateful_layers,
+)
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
 from rlkit.weights import PushGuard, check_manifest, module_manifest
 
@@ -58,14 +66,16 @@ class HFEngine:
         device: str | torch.device = "cpu",
         seed: int = 0,
         max_batch_size: int = 256,
+        vision: bool = False,
     ):
-        """`max_batch_size`: the most sequences (prompts x n) sampled in one forward batch."""
+        """`max_batch_size`: the most sequences (prompts x n) sampled in one forward batch. `vision`: load a
+        vision-language checkpoint whole, for prompts with images (`rlkit.models.load_causal_lm`)."""
         if isinstance(model_or_path, torch.nn.Module):
             model = copy.deepcopy(model_or_path).to(device=device, dtype=dtype)
             if tokenizer is None:
                 raise ValueError("HFEngine(model, tokenizer=None): pass the tokenizer with a loaded model")
         else:
-            model = load_causal_lm(model_or_path, dtype=dtype, device=device)
+            model = load_causal_lm(model_or_path, dtype=dtype, device=device, vision=vision)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_or_path)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
@@ -81,7 +91,8 @@ class HFEngine:
         self.eos_ids = sorted(_eos_ids(model, tokenizer))
         if not self.eos_ids:
             raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
-        self.context = getattr(model.config, "max_position_embeddings", None)
+        self.text_config = model.config.get_text_config(decoder=True)
+        self.context = getattr(self.text_config, "max_position_embeddings", None)
         # Layers with a state across positions (hybrid families): the prompt is prefilled once per sample.
         self.stateful = bool(stateful_layers(model.config))
         self._sleeping = False
@@ -97,16 +108,25 @@ class HFEngine:
     # ---------------------------------------------------------------- generation
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> RolloutBatch:
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: Sampling, images: list[Images | None] | None = None
+    ) -> RolloutBatch:
         """Sample `n` completions for each prompt; the `n` rows of prompt i are rows `i*n ... i*n+n-1`.
 
         prompts: B lists of token ids (no padding). Returns a RolloutBatch with N = B * n rows.
         A row stops at an EOS token or at the end of an extra stop string (both kept in the
         response, finish reason "stop"; never with `sampling.ignore_eos`), or after `max_new_tokens`
         tokens or at the model's context end (finish reason "length"). Reproducible: the same seed
-        gives the same samples.
+        gives the same samples. `images` (aligned with `prompts`, rlkit.batch.Images or None each) go to a
+        vision-language model's forward with their prompt; the batch's rows carry them.
         """
-        check_generate_args(prompts, n, self.context, self.model.config.vocab_size)
+        check_generate_args(prompts, n, self.context, self.text_config.vocab_size)
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"generate: {len(images)} images for {len(prompts)} prompts")
+        if images is not None and all(x is None for x in images):
+            images = None
+        if images is not None and getattr(self.model.config, "vision_config", None) is None:
+            raise ValueError("generate: images given to a text-only model (its config has no vision_config)")
         if self._sleeping:  # as vLLM does: an engine asked to generate wakes itself
             self.wake()
         self._push_guard.check()
@@ -118,17 +138,30 @@ class HFEngine:
         prompts_per_chunk = max(1, self.max_batch_size // n)
         rows: list[tuple[list[int], list[float], str]] = []
         for start in range(0, len(prompts), prompts_per_chunk):
-            rows += self._sample(prompts[start : start + prompts_per_chunk], n, sampling, generator)
+            chunk = slice(start, start + prompts_per_chunk)
+            rows += self._sample(
+                prompts[chunk], n, sampling, generator, None if images is None else images[chunk]
+            )
         seconds = time.perf_counter() - t0
 
         group_prompts = [p for p in prompts for _ in range(n)]
         texts = self.tokenizer.batch_decode([r[0] for r in rows], skip_special_tokens=True)
         # One version per batch: weights change only between generate calls here.
         versions = [[self.version] * len(r[0]) for r in rows]
-        return record_throughput(rows_to_batch(group_prompts, rows, texts, n, self.pad_id, versions), seconds)
+        batch = rows_to_batch(group_prompts, rows, texts, n, self.pad_id, versions)
+        if images is not None:
+            batch = dataclasses.replace(batch, images=tuple(x for x in images for _ in range(n)))
+        return record_throughput(batch, seconds)
 
-    def _sample(self, prompts, n, sampling, generator) -> list[tuple[list[int], list[float], str]]:
-        """One forward batch: prefill B prompts, repeat the cache n times, decode token by token."""
+    def _sample(
+        self, prompts, n, sampling, generator, images=None
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One forward batch: prefill B prompts, repeat the cache n times, decode token by token.
+
+        With images, the prefill takes their tensors (`rlkit.models.image_kwargs`) and a model with 3D rotary
+        positions (Qwen's VL models) computes the prompt's positions itself, from the attention mask; each
+        decoded token then sits at the row's length + the model's offset for it (`rope_deltas`), on all three
+        axes, as the model's own generate places it."""
         dev = self.device
         plens = torch.tensor([len(p) for p in prompts], device=dev)
         width = int(plens.max())
@@ -141,13 +174,26 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         if self.stateful:  # transformers cannot repeat a recurrent/convolution state: each sample prefills
             ids, mask, positions, plens = (x.repeat_interleave(n, 0) for x in (ids, mask, positions, plens))
+            images = None if images is None else [x for x in images for _ in range(n)]
+        vision = image_kwargs(self.model, images, ids)
+        delta = None
+        if vision and has_3d_positions(self.model):
+            positions = None  # the model computes its 3D positions from the mask and the grid sizes
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **vision,
         )
+        if vision and positions is None:
+            delta = rope_deltas(self.model).reshape(-1).to(dev)
         cache, logits = out.past_key_values, out.logits[:, -1]
         if not self.stateful:
             cache.batch_repeat_interleave(n)
             logits, mask, plens = (x.repeat_interleave(n, 0) for x in (logits, mask, plens))
+            delta = None if delta is None else delta.repeat_interleave(n, 0)
 
         num = logits.shape[0]
         # A row also ends at the model's context (finish reason "length"), as vLLM does.
@@ -178,10 +224,13 @@ class HFEngine:
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step = (plens + t)[:, None]
+            if delta is not None:  # 3D positions: the same text position on the three axes
+                step = (step + delta[:, None]).expand(3, -1, -1)
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=mask,
-                position_ids=(plens + t)[:, None],
+                position_ids=step,
                 past_key_values=cache,
                 use_cache=True,
             )

@@ -1,0 +1,125 @@
+"""Images of a dataset row for a vision-language model (`data.image_key`): decoding, the size rule, and the
+prompt rendered through the model's processor into expanded token ids and one `rlkit.batch.Images`.
+
+A row's image value is a path, bytes, a PIL image, a `datasets` Image feature (decoded: a PIL image; not decoded:
+{"bytes", "path"}), or a list of those. Every failure is a start-up error naming the key, the row and the value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import torch
+
+from rlkit.batch import Images
+from rlkit.config.schema import DataConfig
+
+PLACEHOLDER = "<image>"
+"""Where a question places its images; a question without one gets its images before the text."""
+
+# Processor outputs that run along the token ids (one value per prompt token), not image tensors.
+TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
+class ImageError(ValueError):
+    """A row's image cannot be used (the message names data.image_key, the row and the value)."""
+
+
+def _where(cfg: DataConfig, row: int, value) -> str:
+    shown = repr(value) if not isinstance(value, bytes | bytearray) else f"<{len(value)} bytes>"
+    return f"data.image_key={cfg.image_key!r}, row {row}, value {shown[:120]}"
+
+
+def decode(value, cfg: DataConfig, row: int, base: Path | None = None):
+    """One image value -> an RGB PIL image of at most `cfg.max_image_pixels` (resized down to it with
+    `cfg.resize_images`, else refused)."""
+    from PIL import Image
+
+    picture = value
+    try:
+        if isinstance(value, dict):  # a datasets Image feature, not decoded
+            picture = value.get("bytes") or value.get("path")
+        if isinstance(picture, str | Path):
+            path = Path(picture).expanduser()
+            if not path.is_absolute() and not path.exists() and base is not None:
+                path = base / path
+            picture = Image.open(path)
+        elif isinstance(picture, bytes | bytearray):
+            picture = Image.open(io.BytesIO(picture))
+        if not isinstance(picture, Image.Image):
+            raise TypeError(f"not an image: a {type(picture).__name__}")
+        picture.load()
+        picture = picture.convert("RGB")
+    except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, ...)
+        raise ImageError(
+            f"{_where(cfg, row, value)}: cannot decode the image ({type(e).__name__}: {e})"
+        ) from e
+    pixels = picture.width * picture.height
+    if pixels > cfg.max_image_pixels:
+        if not cfg.resize_images:
+            raise ImageError(
+                f"{_where(cfg, row, value)}: the image is {picture.width}x{picture.height} = {pixels} pixels, over "
+                f"data.max_image_pixels={cfg.max_image_pixels} (data.resize_images=true resizes it down)"
+            )
+        scale = (cfg.max_image_pixels / pixels) ** 0.5
+        size = (max(1, int(picture.width * scale)), max(1, int(picture.height * scale)))
+        picture = picture.resize(size, Image.Resampling.BICUBIC)
+    return picture
+
+
+def row_pictures(value, cfg: DataConfig, row: int, base: Path | None = None) -> list:
+    """A row's image value (one image or a list of them; None or [] for none) -> its PIL images."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list | tuple) else [value]
+    return [decode(v, cfg, row, base) for v in values]
+
+
+def digest(pictures) -> str:
+    """sha256 over the pictures' sizes and RGB pixels (Images.digest)."""
+    h = hashlib.sha256()
+    for p in pictures:
+        h.update(f"{p.width}x{p.height};".encode())
+        h.update(p.tobytes())
+    return h.hexdigest()
+
+
+def vl_messages(messages: list[dict], count: int, cfg: DataConfig, row: int, value) -> list[dict]:
+    """The chat messages (`rlkit.data.prompts.prompt_messages`) with the last user message's content as a list of
+    image and text items: an image at each `<image>` of the question, else all `count` images before it."""
+    user = messages[-1]["content"]
+    marks = user.count(PLACEHOLDER)
+    if marks and marks != count:
+        raise ImageError(
+            f"{_where(cfg, row, value)}: {count} image(s) but {marks} {PLACEHOLDER} placeholder(s) in the question "
+            f"(data.prompt_key={cfg.prompt_key!r}): one placeholder per image, or none"
+        )
+    if not marks:
+        content = [{"type": "image"}] * count + [{"type": "text", "text": user}]
+    else:
+        content = []
+        for i, part in enumerate(user.split(PLACEHOLDER)):
+            if i:
+                content.append({"type": "image"})
+            if part:
+                content.append({"type": "text", "text": part})
+    return [*messages[:-1], {"role": "user", "content": content}]
+
+
+def render_with_images(messages: list[dict], pictures: list, processor, cfg: DataConfig, row: int, value):
+    """(prompt text, expanded token ids, Images or None) of one prompt through the model's processor: the chat
+    template with one placeholder per picture, then the processor's expansion of each placeholder to the image's
+    count of tokens."""
+    chat = vl_messages(messages, len(pictures), cfg, row, value)
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    if not pictures:
+        return text, processor.tokenizer(text, add_special_tokens=False).input_ids, None
+    try:
+        out = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+    except ValueError as e:  # the processor's own count check (placeholders vs images)
+        raise ImageError(f"{_where(cfg, row, value)}: the processor refused the prompt: {e}") from e
+    ids = out["input_ids"][0].tolist()
+    tensors = {k: v for k, v in out.items() if k not in TOKEN_KEYS and isinstance(v, torch.Tensor)}
+    return text, ids, Images(tuple(pictures), tensors, digest(pictures))
