@@ -238,6 +238,13 @@ BAD = [
     ),
     ("data.resize_images", "maybe", ["data.resize_images", "maybe"]),
     ("model.freeze_vision", "maybe", ["model.freeze_vision", "maybe"]),
+    ("sft.generation_eval", "maybe", ["sft.generation_eval", "maybe"]),
+    (
+        "data.picture_kinds",
+        ["shapes"],
+        ["data.picture_kinds=['shapes'] must be a non-empty subset of"],
+        {"data": {"path": "pictures"}},
+    ),
     ("data.system_prompt", [1], ["data.system_prompt"]),
     ("data.instruction", {"a": 1}, ["data.instruction"]),
     ("data.num_train", 400, ["data.num_train + data.num_eval = 440 exceeds the 400 distinct problems"]),

@@ -18,6 +18,7 @@ import torch
 
 from rlkit.rollout.engines import make_engine
 from rlkit.rollout.engines.vllm import engine as vllm_engine
+from rlkit.rollout.engines.vllm.memory import memory_plan
 
 pytest.importorskip("vllm")
 
@@ -132,7 +133,7 @@ def test_the_build_line_names_the_model_runner(fake_llm, fake_cuda, ckpt, caplog
 )
 def test_an_engine_on_a_gpu_of_its_own_neither_sleeps_nor_leaves_the_gpu_empty(colocated, share, sleep):
     """0.92 stands for vLLM's own default here (the engine reads it from EngineArgs: the make_engine test)."""
-    plan = functools.partial(vllm_engine.memory_plan, vllm_default=0.92)
+    plan = functools.partial(memory_plan, vllm_default=0.92)
     assert plan(colocated, None, None, sleep_available=True) == (share, sleep)
     # An explicit choice wins; without sleep mode on the platform (CPU) there is none either way.
     assert plan(colocated, 0.5, True, sleep_available=True) == (0.5, True)
