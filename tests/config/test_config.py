@@ -49,6 +49,8 @@ def test_recipe_overrides_group_choice():
     assert ppo.algo.adv_estimator == "gae" and ppo.algo.value_model and ppo.algo.kl_in_reward
     dr = load_config(_compose(["+recipe=dr_grpo_gsm8k"]))
     assert not dr.algo.norm_by_std and dr.algo.loss_agg_mode == "seq-mean-token-sum-norm"
+    geo = load_config(_compose(["+recipe=grpo_geo3k"]))
+    assert geo.data.image_key == "images" and geo.model.freeze_vision and geo.reward.fn == "math"
     quick = load_config(_compose(["+recipe=quickstart"]))
     assert quick.model.path == "smollm2-135m" and quick.data.path == "arithmetic"
     # a bf16 engine, bf16 learner compute on fp32 master weights, rollout IS (docs/benchmarks.md)
