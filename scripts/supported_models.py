@@ -97,6 +97,32 @@ model at start-up (gpt-oss: its eager attention with sinks misses the restarting
 """
 
 STATUS = {"trains": "trains", "refused": "refused at start-up"}
+# Families whose packed rows score differently from each row alone in transformers 5.19, so `packing()` turns
+# packing off for them at start-up (measured for every family by tests/learner/test_packing_families.py).
+PACKING_LEAKS = {"gpt-oss": "packed rows differ (eager attention with sinks)"}
+
+
+def capabilities(name: str) -> tuple[str, str]:
+    """(packing, routing replay) of family `name`, read from rlkit's own rules on the family's config and a
+    weightless copy of its model: stateful layers turn packing off (`rlkit.models.stateful_layers`), and the learner
+    replays routes through the routers `rlkit.learner.routing` knows."""
+    import torch
+    from model_families import family_config
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.learner.routing import moe_routers
+    from rlkit.models import stateful_layers
+
+    config = family_config(name)
+    stateful = stateful_layers(config)
+    if stateful:
+        packing = f"off: {'/'.join(stateful)} layers carry state"
+    else:
+        packing = f"off: {PACKING_LEAKS[name]}" if name in PACKING_LEAKS else "packed = unpacked"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    replay = "learner replays (vLLM returns routes on CUDA only)" if moe_routers(model) else "-"
+    return packing, replay
 
 
 def render(data: dict) -> str:
@@ -108,8 +134,8 @@ def render(data: dict) -> str:
         f"Matrix of {data['date']}: vLLM {v['vllm']} (CPU build), transformers {v['transformers']}, "
         f"torch {v['torch']}.\n",
         "| family | transformers config | HF engine | vLLM colocated | vLLM async | mean abs dlogp (load / after push) "
-        "| refused because |",
-        "|---|---|---|---|---|---|---|",
+        "| packing | routing replay | refused because |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, (cls, _) in FAMILIES.items():
         row = data["families"][name]
@@ -121,7 +147,10 @@ def render(data: dict) -> str:
         why = row.get("reason", "").replace("|", "/") + (
             "; else rollout.engine=hf" if row["vllm"] != "trains" else ""
         )
-        lines.append(f"| {name} | `{cls}` | {STATUS[row['hf']]} | {vllm} | {vllm} | {gaps} | {why.strip()} |")
+        packing, replay = capabilities(name)
+        lines.append(
+            f"| {name} | `{cls}` | {STATUS[row['hf']]} | {vllm} | {vllm} | {gaps} | {packing} | {replay} | {why.strip()} |"
+        )
     return "\n".join(lines) + "\n"
 
 
