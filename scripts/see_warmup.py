@@ -143,7 +143,12 @@ def main(argv=None) -> dict:
             print(json.dumps(entry), flush=True)
     if step % args.eval_every:
         acc, answers = accuracy(model, processor, held, bf16=args.bf16)
-        entry = {"step": step, "seconds": round(time.perf_counter() - start, 1), "loss": None, "accuracy": acc}
+        entry = {
+            "step": step,
+            "seconds": round(time.perf_counter() - start, 1),
+            "loss": None,
+            "accuracy": acc,
+        }
         log.append(entry | {"sample": answers[:4]})
         print(json.dumps(log[-1]), flush=True)
     if args.save:

@@ -73,7 +73,8 @@ its prepacked one, which a push left stale: against the fp32 learner, a tiny bf1
 load and 0.1 after a push before, 2.2e-3 after a push now). A Nemotron-H checkpoint saved in fp32 with a
 bf16 engine is refused at the start-up push of the same weights: vLLM keeps `A = -exp(A_log)` in fp32, computed
 from the checkpoint's fp32 `A_log` at load and from the push's bf16 one after (a bf16 checkpoint, as on the hub,
-or `model.dtype=float32` trains). Routing replay is not implemented yet. A
+or `model.dtype=float32` trains). Routing replay (`algo.routing_replay`) replays the routers of Qwen3-MoE and
+Mixtral only (the column below); the hybrids' MoE layers are not among them. A
 vision-language Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`, the hub's default) trains on text as its
 language model: transformers loads it as `Qwen3_5ForCausalLM`, which computes exactly what the VL model computes on
 text; rlkit's checkpoints then hold the language model alone, without the vision tower
