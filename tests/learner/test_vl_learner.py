@@ -1,7 +1,8 @@
 """The learner on a vision-language model (a tiny Qwen2.5-VL, tests/vl_families.py): each row's log-probs equal
 the model's on the row alone, unpadded, with the processor's outputs (the model computing its 3D positions);
-chunked and full heads agree; the vision tower is frozen by default; LoRA adapts the language model only;
-packing is off for VL models (one INFO line)."""
+chunked and full heads agree, padded and packed (tests/learner/test_vl_packing.py holds packing's gradients); the
+vision tower is frozen by default; LoRA adapts the language model only; packing stays on except for Qwen3.5,
+whose gated-DeltaNet layers carry state across rows (one INFO line naming it)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,14 @@ def vl_cfg(path, **flat):
     return cfg
 
 
-@pytest.mark.parametrize("chunk", [0, 8], ids=["full-head", "chunked"])
-def test_learner_logprobs_equal_each_row_alone(vl, chunk):
+@pytest.mark.parametrize(
+    ("chunk", "pack"), [(0, False), (8, False), (8, True)], ids=["full-head", "chunked", "chunked-packed"]
+)
+def test_learner_logprobs_equal_each_row_alone(vl, chunk, pack):
     path, processor, ps = vl
-    learner = Learner(vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000))
+    learner = Learner(
+        vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000, pack_sequences=pack)
+    )
     rows = sequences(ps)
     got = learner.forward(rows).logprobs
     model = load_causal_lm(path, vision=True)
@@ -66,12 +71,17 @@ def test_learner_logprobs_equal_each_row_alone(vl, chunk):
         assert torch.allclose(got[i][keep], ref, atol=1e-4), (i, (got[i][keep] - ref).abs().max())
 
 
-def test_vision_tower_frozen_by_default_and_packing_off(vl, caplog):
+def test_vision_tower_frozen_by_default_and_packing_on_but_for_the_hybrid(vl, caplog):
     path, _, _ = vl
     with caplog.at_level(logging.INFO, logger="rlkit.learner.batching"):
         learner = Learner(vl_cfg(path, pack_sequences=True))
-    assert not learner.packed
-    assert "packing is off for this model: it is a vision-language model" in caplog.text
+    hybrid = learner.model.config.model_type == "qwen3_5"
+    assert learner.packed is not hybrid
+    off = [r.message for r in caplog.records if "packing is off" in r.message]
+    assert len(off) == int(hybrid)
+    if hybrid:
+        (message,) = off
+        assert "packing is off for this model (qwen3_5): its linear_attention layers carry state" in message
     named = dict(learner.model.named_parameters())
     visual = [
         n for n in named if any(f".{t}." in f".{n}" for t in ("visual", "vision_tower", "vision_model"))
