@@ -25,7 +25,9 @@ def packing(requested: bool, model) -> bool:
     (`rlkit.models.stateful_layers`: transformers' kernels for them take no row boundaries, so a packed row would
     start from the previous row's state), nor where two short rows packed as `model_inputs` lays them out score
     differently from each row alone (an attention path that misses the restarting positions: gpt-oss's eager
-    attention with sinks in transformers 5.19). The padded layout is exact for both. Said once, at INFO."""
+    attention with sinks in transformers 5.19). The padded layout is exact for both. Said once, at INFO, naming the
+    model type. Vision-language models pack by the same rules (each row's pictures and positions its own,
+    `model_inputs` and `rlkit.learner.positions`)."""
     if not requested:
         return False
     stateful = stateful_layers(model.config)
@@ -73,11 +75,7 @@ def packed_gap(model) -> float:
     if has_3d_positions(model):  # Qwen's VL models: a packed sequence's positions are [4, 1, total]
         positions = packed_positions(model, ids, (6, 6), None)
     packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 6:].float()
-    alone = (
-        model(input_ids=ids[:, 6:], position_ids=torch.arange(6, device=device)[None], use_cache=False)
-        .logits[0]
-        .float()
-    )
+    alone = model(input_ids=ids[:, 6:], position_ids=positions[..., :6], use_cache=False).logits[0].float()
     return float((packed.log_softmax(-1) - alone.log_softmax(-1)).abs().mean())
 
 
