@@ -95,6 +95,10 @@ log-probs and gradients as the row run alone (`tests/learner/test_packing_famili
 the model, said once at start-up: the hybrids (a packed row would start from the previous row's state, which
 the test shows), and any model whose two short rows packed score differently from each alone, measured on the
 model at start-up (gpt-oss: its eager attention with sinks misses the restarting positions in transformers 5.19).
+With images (`data.image_key`, docs/guides/vision-language.md) packing follows the same rules: Qwen2.5-VL,
+Qwen3-VL, Gemma 3 and SmolVLM / Idefics3 pack (each row's pictures and positions its own, Qwen's 3D positions from
+the model's `get_rope_index` on each row; `tests/learner/test_vl_packing.py`: log-probs and gradients as each row
+alone), Qwen3.5 with its vision tower does not (its gated-DeltaNet layers carry state).
 """
 
 STATUS = {"trains": "trains", "refused": "refused at start-up"}

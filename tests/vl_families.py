@@ -239,11 +239,13 @@ def build_vl_family(name: str, directory, *, seed: int = 0, processor: bool = Tr
     return str(directory)
 
 
-def logprobs_alone(model, processor, text: str, pictures, response: list[int]) -> torch.Tensor:
+def logprobs_alone(
+    model, processor, text: str, pictures, response: list[int], *, grad: bool = False
+) -> torch.Tensor:
     """The naive reference for a row with images: the model on the one row, unpadded, given exactly what the
     processor makes of its prompt (`text` and `pictures`; its per-token outputs, such as the image token types,
     extended with zeros over the response) and nothing else (the model computes its own positions). The
-    log-probs of `response`'s tokens."""
+    log-probs of `response`'s tokens (with their graph when `grad`)."""
     if pictures:
         out = processor(text=[text], images=list(pictures), return_tensors="pt", add_special_tokens=False)
     else:
@@ -257,7 +259,7 @@ def logprobs_alone(model, processor, text: str, pictures, response: list[int]) -
         if key.endswith("token_type_ids"):
             value = torch.cat([value, torch.zeros(1, len(response), dtype=value.dtype)], 1)
         kw[key] = value
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         logits = model(input_ids=ids, **kw).logits.float()
     logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     return logp[prompt.shape[1] - 1 :]

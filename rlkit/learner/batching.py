@@ -13,7 +13,8 @@ from torch import Tensor
 
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
-from rlkit.models import stateful_layers
+from rlkit.learner.positions import packed_positions
+from rlkit.models import has_3d_positions, stateful_layers
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +25,13 @@ def packing(requested: bool, model) -> bool:
     (`rlkit.models.stateful_layers`: transformers' kernels for them take no row boundaries, so a packed row would
     start from the previous row's state), nor where two short rows packed as `model_inputs` lays them out score
     differently from each row alone (an attention path that misses the restarting positions: gpt-oss's eager
-    attention with sinks in transformers 5.19). The padded layout is exact for both. Said once, at INFO."""
+    attention with sinks in transformers 5.19). The padded layout is exact for both. Said once, at INFO, naming the
+    model type. Vision-language models pack by the same rules (each row's pictures and positions its own,
+    `model_inputs` and `rlkit.learner.positions`)."""
     if not requested:
         return False
     stateful = stateful_layers(model.config)
-    if getattr(model.config, "vision_config", None) is not None and hasattr(model, "get_image_features"):
-        why = (
-            "it is a vision-language model: a packed row's images and 3D rotary positions are not laid out per "
-            "row by rlkit yet"
-        )
-    elif stateful:
+    if stateful:
         why = (
             f"its {'/'.join(stateful)} layers carry state from one position to the next and transformers' kernels "
             "for them take no row boundaries (a packed row would start from the previous row's state)"
@@ -42,7 +40,10 @@ def packing(requested: bool, model) -> bool:
         why = f"two rows packed score differently from each row alone (mean |dlogp| {gap:.2g})"
     else:
         return True
-    log.info("trainer.pack_sequences=true: packing is off for this model: %s; rows are padded instead", why)
+    log.info(
+        "trainer.pack_sequences=true: packing is off for this model (%s): %s; rows are padded instead",
+        getattr(model.config, "model_type", type(model).__name__), why,
+    )  # fmt: skip
     return False
 
 
@@ -71,8 +72,10 @@ def packed_gap(model) -> float:
     device = next(model.parameters()).device
     ids = ids.to(device)
     positions = torch.arange(6, device=device).repeat(2)[None]
+    if has_3d_positions(model):  # Qwen's VL models: a packed sequence's positions are [4, 1, total]
+        positions = packed_positions(model, ids, (6, 6), None)
     packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 6:].float()
-    alone = model(input_ids=ids[:, 6:], position_ids=positions[:, :6], use_cache=False).logits[0].float()
+    alone = model(input_ids=ids[:, 6:], position_ids=positions[..., :6], use_cache=False).logits[0].float()
     return float((packed.log_softmax(-1) - alone.log_softmax(-1)).abs().mean())
 
 
@@ -186,7 +189,11 @@ class Inputs:
     routes: Tensor | None = None
     """[rows, columns, L, k]: the engine's expert choices at every input position (routing replay), or None."""
     images: tuple | None = None
-    """Each row's rlkit.batch.Images or None (padded layout only): `rlkit.models.image_kwargs` of the forward."""
+    """Each row's rlkit.batch.Images or None, in row order (packed: the order of the rows in the sequence), or None
+    when no row has any: `rlkit.models.image_kwargs` of the forward."""
+    lengths: tuple[int, ...] | None = None
+    """Packed layout: each row's length in the sequence, in order (Qwen VL's 3D positions are computed per row,
+    `rlkit.learner.positions`); None for the padded layout."""
 
     def scatter(self, values: Tensor) -> Tensor:
         """[M] -> [n, t], 0 at positions not scored (differentiable, out of place)."""
@@ -198,11 +205,11 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
     """Padded: [n, P+t] with left-padded prompts (as today's HF generate numbers them). Packed: one
     [1, sum of real tokens] sequence, position ids restarting at 0 on each row and no attention mask,
     so transformers' mask builders (sdpa, eager, flex) and flash-attention's varlen path keep attention
-    inside each row (they detect the restarts in position_ids)."""
+    inside each row (they detect the restarts in position_ids). Images, in both layouts, are the rows' in row
+    order: the model fills its image placeholders in that order (packed, the rows' lengths go along for the models
+    whose positions are computed per row from the images, `rlkit.learner.positions`)."""
     p_max, t, b = m.prompt_len, m.response_len, m.batch
     images = b.images if b.images is not None and any(x is not None for x in b.images) else None
-    if packed and images is not None:
-        raise ValueError("packed micro-batches with images: packing is off for vision-language models")
     scored = [max(1, r) for _, r in m.lens]
     rows = torch.repeat_interleave(torch.arange(len(scored)), torch.tensor(scored))
     pos = torch.cat([torch.arange(r) for r in scored])
@@ -218,7 +225,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         cols = torch.arange(p_max - 1, p_max - 1 + t)
         take = rows * t + pos
         pos_ids = position_ids_from_mask(attn)
-        routes = None
+        routes, lengths = None, None
         if b.routed_experts is not None:
             width = b.prompt_ids.shape[1]
             routes = b.routed_experts[:, width - p_max : width + t].to(device)
@@ -234,7 +241,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
             offset += p + r
         input_ids = torch.cat(ids).to(device)[None]
         attn = None
-        lengths = torch.tensor([max(1, p) + r for (p, _), r in zip(m.lens, scored)])
+        lengths = tuple(max(1, p) + r for (p, _), r in zip(m.lens, scored))
         pos_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
         cols = torch.tensor(starts)[rows] + pos
         take = torch.arange(len(cols))
@@ -252,6 +259,7 @@ def model_inputs(m: Micro, *, packed: bool, device) -> Inputs:
         (len(scored), t),
         routes,
         images,
+        lengths,
     )
 
 

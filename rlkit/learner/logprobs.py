@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlkit.learner.positions import packed_positions
 from rlkit.learner.routing import set_routes
 from rlkit.models import has_3d_positions, image_kwargs
 
@@ -272,12 +273,14 @@ def score(model, unwrapped, inp, *, temperature: float, top_k: int, top_p: float
     # routing replay: the routers take the engine's experts (a model without hooks, e.g. the reference, ignores it)
     set_routes(unwrapped, inp.routes)
     vision = image_kwargs(unwrapped, inp.images, inp.input_ids)
-    if vision:
-        kw.update(vision)
-        if has_3d_positions(unwrapped):
-            # Qwen's 3D rotary positions: the model computes them from the mask and the grid sizes, for the
-            # left-padded row as for the row alone (and as the engine's prefill does).
-            kw["position_ids"] = None
+    kw.update(vision)
+    if has_3d_positions(unwrapped) and inp.lengths is not None:
+        # Qwen's 3D rotary positions, packed: each row's as the model computes them for the row alone.
+        kw["position_ids"] = packed_positions(unwrapped, inp.input_ids, inp.lengths, inp.images)
+    elif vision and has_3d_positions(unwrapped):
+        # Padded: the model computes them from the mask and the grid sizes, for the left-padded row as for the
+        # row alone (and as the engine's prefill does).
+        kw["position_ids"] = None
     trunc = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     head = chunkable_head(unwrapped) if chunk_tokens else None
     if head is not None:

@@ -1,7 +1,8 @@
 """The learner on a vision-language model (a tiny Qwen2.5-VL, tests/vl_families.py): each row's log-probs equal
 the model's on the row alone, unpadded, with the processor's outputs (the model computing its 3D positions);
-chunked and full heads agree; the vision tower is frozen by default; LoRA adapts the language model only;
-packing is off for VL models (one INFO line)."""
+chunked and full heads agree, padded and packed (tests/learner/test_vl_packing.py holds packing's gradients); the
+vision tower is frozen by default; LoRA adapts the language model only; packing stays on except for Qwen3.5,
+whose gated-DeltaNet layers carry state across rows (one INFO line naming it)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,14 @@ def vl_cfg(path, **flat):
     return cfg
 
 
-@pytest.mark.parametrize("chunk", [0, 8], ids=["full-head", "chunked"])
-def test_learner_logprobs_equal_each_row_alone(vl, chunk):
+@pytest.mark.parametrize(
+    ("chunk", "pack"), [(0, False), (8, False), (8, True)], ids=["full-head", "chunked", "chunked-packed"]
+)
+def test_learner_logprobs_equal_each_row_alone(vl, chunk, pack):
     path, processor, ps = vl
-    learner = Learner(vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000))
+    learner = Learner(
+        vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000, pack_sequences=pack)
+    )
     rows = sequences(ps)
     got = learner.forward(rows).logprobs
     model = load_causal_lm(path, vision=True)
@@ -66,12 +71,17 @@ def test_learner_logprobs_equal_each_row_alone(vl, chunk):
         assert torch.allclose(got[i][keep], ref, atol=1e-4), (i, (got[i][keep] - ref).abs().max())
 
 
-def test_vision_tower_frozen_by_default_and_packing_off(vl, caplog):
+def test_vision_tower_frozen_by_default_and_packing_on_but_for_the_hybrid(vl, caplog):
     path, _, _ = vl
     with caplog.at_level(logging.INFO, logger="rlkit.learner.batching"):
         learner = Learner(vl_cfg(path, pack_sequences=True))
-    assert not learner.packed
-    assert "packing is off for this model: it is a vision-language model" in caplog.text
+    hybrid = learner.model.config.model_type == "qwen3_5"
+    assert learner.packed is not hybrid
+    off = [r.message for r in caplog.records if "packing is off" in r.message]
+    assert len(off) == int(hybrid)
+    if hybrid:
+        (message,) = off
+        assert "packing is off for this model (qwen3_5): its linear_attention layers carry state" in message
     named = dict(learner.model.named_parameters())
     visual = [
         n for n in named if any(f".{t}." in f".{n}" for t in ("visual", "vision_tower", "vision_model"))
@@ -87,7 +97,7 @@ def test_vision_tower_frozen_by_default_and_packing_off(vl, caplog):
 
 def test_lora_adapts_the_language_model_only(vl):
     path, processor, ps = vl
-    learner = Learner(vl_cfg(path, lora_rank=4))
+    learner = Learner(vl_cfg(path, lora_rank=4, pack_sequences=True, max_tokens_per_microbatch=10_000))
     adapted = [n for n, _ in learner.model.named_parameters() if "lora_A" in n]
     assert adapted and all(".language_model." in n or ".text_model." in n for n in adapted)
     assert not any(".visual." in n for n in adapted)
@@ -96,7 +106,16 @@ def test_lora_adapts_the_language_model_only(vl):
     ):  # its vision MLP shares the language model's layer names (gate_proj ...): no adapter
         names = [n for n, _ in learner.model.named_parameters()]
         assert any(n.endswith("visual.blocks.0.mlp.gate_proj.weight") for n in names)
-    assert torch.isfinite(learner.forward(sequences(ps)).logprobs).all()
+    # Packed through the peft wrapper (Qwen's per-row 3D positions read its base model): the adapters start at
+    # zero, so each row scores as the base model's row alone.
+    rows = sequences(ps)
+    got = learner.forward(rows).logprobs
+    model = load_causal_lm(path, vision=True)
+    for i in range(len(ps)):
+        keep = rows.response_mask[i]
+        pictures = ps.images[i].pictures if ps.images[i] is not None else ()
+        ref = logprobs_alone(model, processor, ps.texts[i], pictures, rows.response_ids[i][keep].tolist())
+        assert torch.allclose(got[i][keep], ref, atol=1e-4), (i, (got[i][keep] - ref).abs().max())
 
 
 def test_rows_without_images_are_refused_under_fsdp2():
