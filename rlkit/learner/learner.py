@@ -355,7 +355,7 @@ class Learner:
         rows = scores.untrained_rows(batch.response_mask)
         seqs = Sequences(
             batch.prompt_ids, batch.prompt_mask, batch.response_ids, scores.mask & rows[:, None],
-            routed_experts=batch.routed_experts,
+            images=batch.images, routed_experts=batch.routed_experts,
         )  # fmt: skip
         lp = self.forward(seqs, skip_empty=True)
         scores.put(rows, lp.logprobs, lp.entropy)
