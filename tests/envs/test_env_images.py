@@ -210,6 +210,19 @@ def test_hf_engine_multi_turn_with_pictures_logprobs_equal_the_learner(vlm):
     m = rb.response_mask
     assert (rb.rollout_logprobs[m] < 0).all()
     torch.testing.assert_close(logp[m], rb.rollout_logprobs[m], rtol=0, atol=1e-4)
+    # The reusing update (the trainer's "log-probs from the update's forward") scores the rows that hold no loss
+    # token (here the first group's, as a zero-std group's) in a forward of their own: with their pictures too.
+    from rlkit.batch import TrainBatch
+    from rlkit.learner.reuse import ForwardScores
+
+    trained = m.clone()
+    trained[:2] = False
+    scores = ForwardScores(m)
+    batch = TrainBatch(
+        rb.prompt_ids, rb.prompt_mask, rb.response_ids, trained, torch.zeros(m.shape), images=rb.images
+    )
+    learner.update(batch, scores=scores)
+    torch.testing.assert_close(scores.logprobs[m], rb.rollout_logprobs[m], rtol=0, atol=1e-4)
 
 
 def test_start_up_checks_of_an_environment_that_shows_images(vlm, tmp_path):
