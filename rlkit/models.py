@@ -670,10 +670,7 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
         return {}
     device = input_ids.device
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base
-    if "pixel_attention_mask" in present[0].tensors:  # Idefics3 / SmolVLM: [1, images, ...] per prompt
-        kwargs = {k: _cat_images([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
-    else:  # per image (Gemma 3) or per patch (Qwen) along the first dimension
-        kwargs = {k: torch.cat([x.tensors[k] for x in present]).to(device) for k in present[0].tensors}
+    kwargs = {k: v.to(device) for k, v in join_image_tensors([x.tensors for x in present]).items()}
     config = model.config
     image_token = getattr(config, "image_token_id", None)
     if image_token is None:
@@ -684,6 +681,15 @@ def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
     elif image_token is not None and "token_type_ids" in forward:  # Gemma 3: attention within an image
         kwargs["token_type_ids"] = (input_ids == image_token).long()
     return kwargs
+
+
+def join_image_tensors(parts: list[dict]) -> dict:
+    """The processor tensors of several prompts' (or one sequence's several processor calls') images as one call
+    would give them, in order: Idefics3 / SmolVLM's [1, images, ...] joined along the images (`_cat_images`); per
+    image (Gemma 3) or per patch (Qwen) along the first dimension."""
+    if "pixel_attention_mask" in parts[0]:
+        return {k: _cat_images([p[k] for p in parts]) for k in parts[0]}
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _cat_images(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -8,23 +8,20 @@ A row's image value is a path, bytes, a PIL image, a `datasets` Image feature (d
 from __future__ import annotations
 
 import hashlib
-import io
 from pathlib import Path
 
 import torch
 
 from rlkit.batch import Images
 from rlkit.config.schema import DataConfig
+from rlkit.data.decoding import ImageError, open_picture
+from rlkit.models import join_image_tensors
 
 PLACEHOLDER = "<image>"
 """Where a question places its images; a question without one gets its images before the text."""
 
 # Processor outputs that run along the token ids (one value per prompt token), not image tensors.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
-
-
-class ImageError(ValueError):
-    """A row's image cannot be used (the message names data.image_key, the row and the value)."""
 
 
 def _where(cfg: DataConfig, row: int, value) -> str:
@@ -35,38 +32,10 @@ def _where(cfg: DataConfig, row: int, value) -> str:
 def decode(value, cfg: DataConfig, row: int, base: Path | None = None):
     """One image value -> an RGB PIL image of at most `cfg.max_image_pixels` (resized down to it with
     `cfg.resize_images`, else refused)."""
-    from PIL import Image
-
-    picture = value
-    try:
-        if isinstance(value, dict):  # a datasets Image feature, not decoded
-            picture = value.get("bytes") or value.get("path")
-        if isinstance(picture, str | Path):
-            path = Path(picture).expanduser()
-            if not path.is_absolute() and not path.exists() and base is not None:
-                path = base / path
-            picture = Image.open(path)
-        elif isinstance(picture, bytes | bytearray):
-            picture = Image.open(io.BytesIO(picture))
-        if not isinstance(picture, Image.Image):
-            raise TypeError(f"not an image: a {type(picture).__name__}")
-        picture.load()
-        picture = picture.convert("RGB")
-    except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, ...)
-        raise ImageError(
-            f"{_where(cfg, row, value)}: cannot decode the image ({type(e).__name__}: {e})"
-        ) from e
-    pixels = picture.width * picture.height
-    if pixels > cfg.max_image_pixels:
-        if not cfg.resize_images:
-            raise ImageError(
-                f"{_where(cfg, row, value)}: the image is {picture.width}x{picture.height} = {pixels} pixels, over "
-                f"data.max_image_pixels={cfg.max_image_pixels} (data.resize_images=true resizes it down)"
-            )
-        scale = (cfg.max_image_pixels / pixels) ** 0.5
-        size = (max(1, int(picture.width * scale)), max(1, int(picture.height * scale)))
-        picture = picture.resize(size, Image.Resampling.BICUBIC)
-    return picture
+    where = _where(cfg, row, value)
+    return open_picture(
+        value, max_pixels=cfg.max_image_pixels, resize=cfg.resize_images, where=where, base=base
+    )
 
 
 def row_pictures(value, cfg: DataConfig, row: int, base: Path | None = None) -> list:
@@ -117,9 +86,25 @@ def render_with_images(messages: list[dict], pictures: list, processor, cfg: Dat
     if not pictures:
         return text, processor.tokenizer(text, add_special_tokens=False).input_ids, None
     try:
-        out = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+        return (text, *expand(processor, text, pictures))
     except ValueError as e:  # the processor's own count check (placeholders vs images)
         raise ImageError(f"{_where(cfg, row, value)}: the processor refused the prompt: {e}") from e
+
+
+def expand(processor, text: str, pictures: list) -> tuple[list[int], Images]:
+    """(token ids, Images) of `text` whose placeholders (one per picture, in order) the processor expands to each
+    picture's image tokens; the processor's image tensors for these pictures alone."""
+    out = processor(text=[text], images=list(pictures), return_tensors="pt", add_special_tokens=False)
     ids = out["input_ids"][0].tolist()
     tensors = {k: v for k, v in out.items() if k not in TOKEN_KEYS and isinstance(v, torch.Tensor)}
-    return text, ids, Images(tuple(pictures), tensors, digest(pictures))
+    return ids, Images(tuple(pictures), tensors, digest(pictures))
+
+
+def join_images(first: Images | None, then: Images) -> Images:
+    """The Images of a sequence holding `first`'s pictures, then `then`'s (an episode whose environment showed
+    pictures): the pictures in order, each processor tensor joined as the model's forward takes several prompts'
+    (`rlkit.models.join_image_tensors`), the digest over all the pictures."""
+    if first is None:
+        return then
+    pictures = (*first.pictures, *then.pictures)
+    return Images(pictures, join_image_tensors([first.tensors, then.tensors]), digest(pictures))

@@ -25,10 +25,14 @@ classmethod `rows(**env.kwargs)` can also be the dataset (`data.path=env`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlkit.config.schema import ConfigError
 from rlkit.envs import openenv_env, verifiers_env
 from rlkit.envs.base import ADAPTERS, ENVIRONMENTS, Environment, SingleTurn, make_env, resolve_env
 from rlkit.envs.calculator import Calculator
+from rlkit.envs.images import PictureRule
+from rlkit.envs.look import Look
 from rlkit.envs.workers import build_once, limits_of, rows_in_worker
 
 ADAPTERS.update(verifiers=verifiers_env.environment_class, openenv=openenv_env.environment_class)
@@ -76,10 +80,65 @@ def check_env_config(env, rollout) -> None:
         build_once(env.name, dict(env.kwargs), timeout_s=env.timeout_s, limits=limits_of(env))
 
 
+def shows_images(env) -> bool:
+    """Whether env.name's observations may show images (its class's `images`, rlkit.envs.images)."""
+    return (
+        env.name != "single_turn"
+        and env.max_turns > 1
+        and bool(getattr(resolve_env(env.name), "images", False))
+    )
+
+
+def takes_images(cfg) -> bool:
+    """Whether a run's prompts may hold images, from its data (`data.image_key`) or its environment
+    (`shows_images`): the vision-language model is then loaded whole, with its processor."""
+    return cfg.data.image_key is not None or shows_images(cfg.env)
+
+
+def picture_rule(cfg) -> PictureRule | None:
+    """How an environment's images are decoded in a run (`data.max_image_pixels`, `data.resize_images`), or None
+    when its environment shows none."""
+    if not shows_images(cfg.env):
+        return None
+    return PictureRule(max_pixels=cfg.data.max_image_pixels, resize=cfg.data.resize_images)
+
+
+def check_env_images(cfg) -> None:
+    """An environment that shows images needs a vision-language model.path with its processor and an engine that
+    takes them (raises ValueError naming the keys)."""
+    if not shows_images(cfg.env):
+        return
+    from rlkit.models import PROCESSOR_FILES, is_vision_language, resolve_model  # defers torch
+
+    where = f"env.name={cfg.env.name!r} shows images in its observations"
+    path = cfg.model.path
+    try:
+        vision = is_vision_language(path)
+    except OSError:  # a hub id not reachable now: the model's own load says so
+        return
+    if not vision:
+        raise ValueError(
+            f"{where}, but model.path={path!r} is a text-only model (its config has no vision_config): use a "
+            "vision-language checkpoint"
+        )
+    folder = Path(resolve_model(path)[0])
+    if folder.is_dir() and not any((folder / f).is_file() for f in PROCESSOR_FILES):
+        raise ValueError(
+            f"{where}, but model.path={path!r} has no processor (none of {list(PROCESSOR_FILES)}): save its "
+            "AutoProcessor beside it"
+        )
+    if cfg.trainer.strategy == "fsdp2":
+        raise ValueError(
+            f"{where}: with trainer.strategy=fsdp2 a row whose episode showed no picture would skip the sharded "
+            "vision tower on some ranks; use trainer.strategy=ddp or none"
+        )
+
+
 def check_config(cfg) -> None:
     """The `env.*` keys of an `RLConfig` (raises ConfigError before any model loads)."""
     try:
         check_env_config(cfg.env, cfg.rollout)
+        check_env_images(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -88,10 +147,14 @@ __all__ = [
     "Calculator",
     "ENVIRONMENTS",
     "Environment",
+    "Look",
     "SingleTurn",
     "check_config",
     "check_env_config",
     "environment_rows",
     "make_env",
+    "picture_rule",
     "resolve_env",
+    "shows_images",
+    "takes_images",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+from rlkit.envs.images import PictureRule, check_parts, text_chars
 from rlkit.lookup import Registry, lookup
 from rlkit.rewards.functions import describe, reward_number
 
@@ -19,6 +20,9 @@ class Environment:
     """Extra stop strings of a model turn (kept in the turn), besides EOS and rollout.stop."""
     tool_calls: int = 0
     """Tool calls served in this episode (logged as `env/tool_calls`)."""
+    images: bool = False
+    """Its observations may show images (content parts `{"type": "image", "image": ...}`, rlkit.envs.images): the
+    run then loads the vision-language model whole, with its processor."""
     preload: tuple[str, ...] = ()
     """Modules (a heavy library) imported once by the fork server the environment workers fork from, so a
     batch's workers start with them imported; a module that does not import is skipped there."""
@@ -76,33 +80,48 @@ MAX_MESSAGE_CHARS = 4_000_000
 more is refused in the worker, before it crosses the pipe or meets the tokenizer."""
 
 
-def check_messages(value, what: str) -> list[dict]:
-    """`value` as chat messages: a list of dicts whose `role` and `content` are strings (raises TypeError
-    naming what is wrong, so a malformed observation or first message fails its episode, not the run).
-    An oversized one (over MAX_MESSAGES messages or MAX_MESSAGE_CHARS characters) raises ValueError naming
-    its size, never its content."""
+def check_messages(
+    value, what: str, pictures: PictureRule | None = None, *, parts: bool = False
+) -> list[dict]:
+    """`value` as chat messages: a list of dicts whose `role` is a string and `content` a string, or with
+    `parts` (an observation) a list of text and image parts (rlkit.envs.images.check_parts: each image decoded
+    by `pictures`, the run's rule, into `Pixels`). Raises TypeError naming what is wrong, so a malformed
+    observation or first message fails its episode, not the run. An oversized one (over MAX_MESSAGES messages or
+    MAX_MESSAGE_CHARS characters) raises ValueError naming its size, never its content."""
     if not isinstance(value, list):
         raise TypeError(f"{what} must be a list of messages, got {describe(value)}")
     if len(value) > MAX_MESSAGES:
         raise ValueError(f"{what} has {len(value)} messages (at most {MAX_MESSAGES})")
+    out = []
     for k, m in enumerate(value):
         if not isinstance(m, dict):
             raise TypeError(f"{what}[{k}] must be a dict with role and content, got {type(m).__name__}")
-        for field in ("role", "content"):
-            if not isinstance(m.get(field), str):
-                raise TypeError(f"{what}[{k}][{field!r}] must be a string, got {type(m.get(field)).__name__}")
-    chars = sum(len(m["content"]) + len(m["role"]) for m in value)
+        if not isinstance(m.get("role"), str):
+            raise TypeError(f"{what}[{k}]['role'] must be a string, got {type(m.get('role')).__name__}")
+        content = m.get("content")
+        if parts and isinstance(content, list):
+            m = {**m, "content": check_parts(content, f"{what}[{k}]['content']", pictures)}
+        elif not isinstance(content, str):
+            kinds = "a string or a list of text and image parts" if parts else "a string"
+            raise TypeError(f"{what}[{k}]['content'] must be {kinds}, got {type(content).__name__}")
+        out.append(dict(m))
+    chars = sum(text_chars(m["content"]) + len(m["role"]) for m in out)
     if chars > MAX_MESSAGE_CHARS:
         raise ValueError(f"{what} has {chars} characters (at most {MAX_MESSAGE_CHARS})")
-    return [dict(m) for m in value]
+    return out
 
 
-def check_step(out) -> tuple[list[dict] | None, float, bool]:
-    """An environment step's result `(observation or None, reward, done)`, checked (raises on a bad one).
-    The reward follows the reward functions' rule, from the same function (`reward_number`: a finite real
-    number with |reward| <= MAX_ABS_REWARD, bools as 0 / 1, no strings)."""
+def check_step(out, pictures: PictureRule | None = None) -> tuple[list[dict] | None, float, bool]:
+    """An environment step's result `(observation or None, reward, done)`, checked (raises on a bad one); the
+    observation's images decoded by `pictures` (rlkit.envs.images). The reward follows the reward functions'
+    rule, from the same function (`reward_number`: a finite real number with |reward| <= MAX_ABS_REWARD, bools
+    as 0 / 1, no strings)."""
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise TypeError(f"step must return (observation, reward, done), got {describe(out)}")
     obs, reward, done = out
     reward = reward_number(reward)
-    return (None if obs is None else check_messages(obs, "observation")), reward, bool(done)
+    return (
+        (None if obs is None else check_messages(obs, "observation", pictures, parts=True)),
+        reward,
+        bool(done),
+    )

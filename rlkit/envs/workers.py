@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlkit.envs.base import check_messages, check_step, make_env, resolve_env
+from rlkit.envs.images import PictureRule, text_chars
 from rlkit.rewards.functions import describe
 from rlkit.sandbox.containment import (
     ProcessCap,
@@ -59,12 +60,14 @@ log = logging.getLogger(__name__)
 class EnvCall:
     """One call to an environment in its worker: `make` (build it), `reset(row, messages)`, `step(text)` or
     `rows` (the class's dataset). `max_chars` (step): the most characters of an observation that the
-    episode's token budget could hold; a longer one is not sent back (`Oversized`)."""
+    episode's token budget could hold; a longer one is not sent back (`Oversized`). `pictures` (step): how the
+    observation's images are decoded (rlkit.envs.images; None: the run takes no images)."""
 
     env: int
     method: str
     args: tuple = ()
     max_chars: int | None = None
+    pictures: PictureRule | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def _bounded(step: tuple, max_chars: int | None) -> tuple:
     obs, reward, done = step
     if obs is None or max_chars is None:
         return step
-    chars = sum(len(m["content"]) + len(m["role"]) for m in obs)
+    chars = sum(text_chars(m["content"]) + len(m["role"]) for m in obs)
     return (Oversized(chars) if chars > max_chars else obs), reward, done
 
 
@@ -136,7 +139,7 @@ def serve(envs: dict, call: EnvCall, spec: str, kwargs: dict) -> EnvReply:
         elif call.method == "reset":
             value = _checked_first_messages(out)
         else:
-            value = _bounded(check_step(out), call.max_chars)
+            value = _bounded(check_step(out, call.pictures), call.max_chars)
         reply = EnvReply(call.env, True, value, int(getattr(envs.get(call.env), "tool_calls", 0)))
         pickle.dumps(reply)  # an unpicklable value fails this call here, not the pipe
         return reply
@@ -311,15 +314,16 @@ class EnvWorkers:
             w.busy = None
 
     def call(
-        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None
-    ) -> dict[int, tuple[str, object]]:
+        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None,
+        pictures: PictureRule | None = None,
+    ) -> dict[int, tuple[str, object]]:  # fmt: skip
         results: dict[int, tuple[str, object]] = {}
         for env, a in args.items():
             if env in self.lost:
                 results[env] = ("error", self.lost[env])
             else:
                 bound = (max_chars or {}).get(env)
-                self._home[env].queue.append(EnvCall(env, method, tuple(a), bound))
+                self._home[env].queue.append(EnvCall(env, method, tuple(a), bound, pictures))
         while any(w.queue or w.busy is not None for w in self._workers):
             self._dispatch()
             limits = [w.deadline for w in self._workers if w.busy is not None or not w.ready]
@@ -403,11 +407,12 @@ class LocalEnvs:
         self.tool_calls = [0] * count
 
     def call(
-        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None
-    ) -> dict[int, tuple[str, object]]:
+        self, method: str, args: dict[int, tuple], max_chars: dict[int, int] | None = None,
+        pictures: PictureRule | None = None,
+    ) -> dict[int, tuple[str, object]]:  # fmt: skip
         results = {}
         for env, a in args.items():
-            call = EnvCall(env, method, tuple(a), (max_chars or {}).get(env))
+            call = EnvCall(env, method, tuple(a), (max_chars or {}).get(env), pictures)
             reply = serve(self._envs, call, self.spec, self.kwargs)
             self.tool_calls[env] = reply.tool_calls
             results[env] = ("ok", reply.value) if reply.ok else ("error", reply.value)

@@ -46,6 +46,7 @@ from rlkit.batch import Sequences, TrainBatch
 from rlkit.checkpoints import CheckpointError, latest_checkpoint
 from rlkit.collectives import all_reduce
 from rlkit.config.derived import derive
+from rlkit.envs import takes_images
 from rlkit.flops import ModelShape, sequence_flops
 from rlkit.learner import checkpoint, compiled, optim, routing, teacher
 from rlkit.learner.batching import (
@@ -100,7 +101,9 @@ class Learner:
         self.lora = m.lora.rank > 0
         # fp32 master weights; accelerate casts compute to bf16 under mixed precision. With LoRA only
         # the adapters train: the frozen base is loaded in the compute dtype (no fp32 master copy).
-        self.vision = cfg.data.image_key is not None  # the VL model whole, its forward taking the images
+        self.vision = takes_images(
+            cfg
+        )  # the VL model whole, its forward taking the images (data's, an env's)
         policy = load_causal_lm(
             m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu", vision=self.vision
         )
@@ -352,7 +355,7 @@ class Learner:
         rows = scores.untrained_rows(batch.response_mask)
         seqs = Sequences(
             batch.prompt_ids, batch.prompt_mask, batch.response_ids, scores.mask & rows[:, None],
-            routed_experts=batch.routed_experts,
+            images=batch.images, routed_experts=batch.routed_experts,
         )  # fmt: skip
         lp = self.forward(seqs, skip_empty=True)
         scores.put(rows, lp.logprobs, lp.entropy)

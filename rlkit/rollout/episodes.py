@@ -29,12 +29,12 @@ from rlkit.batch import NO_VERSION, Images, RolloutBatch, generation_stats
 from rlkit.config.schema import ConfigError
 from rlkit.data.prompts import max_chars, max_token_chars
 from rlkit.envs import SingleTurn, resolve_env
+from rlkit.envs.images import PictureRule
 from rlkit.envs.workers import DEFAULT_LIMITS, EnvWorkers, Limits, LocalEnvs, Oversized
 from rlkit.rollout.engines.base import rows_to_batch
+from rlkit.rollout.observations import observation_tokens
 
 log = logging.getLogger(__name__)
-
-_SENTINEL = "RLKIT_MODEL_TURN_SENTINEL"
 
 
 @dataclass
@@ -61,7 +61,8 @@ class Episode:
     why: str = ""
     """The failure's reason (logged once per batch and reason)."""
     images: Images | None = None
-    """The first prompt's images (rlkit.batch.Images): they stay with the episode through its turns."""
+    """The first prompt's images (rlkit.batch.Images), joined by the pictures its environment shows
+    (rlkit/rollout/observations.py): they stay with the episode through its turns."""
 
 
 @dataclass(frozen=True)
@@ -87,26 +88,10 @@ def observation_ids(
     tokenizer, history: list[dict], observation: list[dict], sampled_eos: str | None
 ) -> list[int]:
     """Token ids to append after a model turn: the template's close of that turn, the observation
-    messages and the next generation prompt, tokenised once.
-
-    `history` is the conversation before the model turn; the turn itself is rendered as a sentinel,
-    so what the template adds does not depend on how it would re-render the model's text.
+    messages and the next generation prompt, tokenised once (rlkit.rollout.observations.observation_text).
     `sampled_eos`: the text of the EOS token the turn ended with, if any (already in the sequence).
     """
-    conv = [*history, {"role": "assistant", "content": _SENTINEL}]
-    without = tokenizer.apply_chat_template(conv, tokenize=False)
-    with_obs = tokenizer.apply_chat_template(
-        [*conv, *observation], tokenize=False, add_generation_prompt=True
-    )
-    if not with_obs.startswith(without):
-        raise ValueError(
-            "the tokenizer's chat template is not prefix-stable (adding a message re-renders earlier ones), "
-            "so observations cannot be appended to the sampled tokens; use a template that only appends"
-        )
-    delta = without[without.rindex(_SENTINEL) + len(_SENTINEL) :] + with_obs[len(without) :]
-    if sampled_eos and delta.startswith(sampled_eos):
-        delta = delta[len(sampled_eos) :]
-    return tokenizer(delta, add_special_tokens=False).input_ids
+    return observation_tokens(tokenizer, history, observation, sampled_eos)[0]
 
 
 def check_multiturn_template(tokenizer, cfg, messages: list[dict]) -> None:
@@ -255,13 +240,14 @@ def _take_turn(live: list[Episode], rb: RolloutBatch, room, tokenizer) -> list[E
     return stepping
 
 
-def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> None:
+def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids, processor=None) -> None:
     """Apply one successful environment step: its reward, and its observation appended as context tokens.
     An observation the chat template cannot render, or longer than the episode's whole token budget (it
     could never fit, however short the model's turns), fails the episode; one that only overflows the room
     left ends it with finish reason `length` (the budget ran out: not the environment's fault). An
     observation the worker refused by its length in characters (`Oversized`, see `_turns`) fails it too,
-    never tokenized."""
+    never tokenized. Pictures in the observation (rlkit.envs.images) are expanded by `processor` and join the
+    episode's `Images`; their image tokens count in the budget as text does."""
     obs, reward, done = out
     e.reward += reward
     history = list(e.messages)
@@ -277,9 +263,13 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> No
         return
     eos = tokenizer.decode([e.ids[-1]]) if e.ids and e.ids[-1] in eos_ids else None
     try:
-        extra = observation_ids(tokenizer, history, obs or [], eos)
+        extra, images = observation_tokens(
+            tokenizer, history, obs or [], eos, processor=processor, images=e.images
+        )
     except Exception as ex:
-        _fail(e, "error", f"the chat template cannot render the observation ({type(ex).__name__}: {ex})")
+        what = "the observation" if images_of(obs) == 0 else f"the observation's {images_of(obs)} picture(s)"
+        _fail(e, "error", f"turn {e.turns}: the chat template or processor cannot render {what} "
+                          f"({type(ex).__name__}: {ex})")  # fmt: skip
         return
     budget = room(e) + len(e.ids)  # env.max_total_tokens, or less when the context is shorter
     if len(extra) >= budget:
@@ -292,10 +282,21 @@ def _observe(e: Episode, out, *, max_turns: int, room, tokenizer, eos_ids) -> No
     if len(extra) >= room(e):  # no room for the observation and one more model token
         e.done, e.finish = True, "length"
         return
+    e.images = images
     e.ids += extra
     e.logprobs += [0.0] * len(extra)
     e.versions += [NO_VERSION] * len(extra)
     e.model += [False] * len(extra)
+
+
+def images_of(messages) -> int:
+    """The number of image parts of `messages` (0 for None)."""
+    return sum(
+        p["type"] == "image"
+        for m in messages or []
+        if not isinstance(m["content"], str)
+        for p in m["content"]
+    )
 
 
 def _finish(episodes: list[Episode], n: int, pad_id: int, gen_seconds: float, tool_calls: list[int]):
@@ -353,12 +354,17 @@ def run_episodes(
     first_position: int = 0,
     limits: Limits = DEFAULT_LIMITS,
     images: list | None = None,
+    processor=None,
+    pictures: PictureRule | None = None,
 ) -> EpisodeBatch:
     """Run n episodes per prompt to the end; episodes of prompt i are rows i*n ... i*n+n-1.
 
     `generate(prompts, n, sampling, turn, positions) -> RolloutBatch` samples one turn (the caller
     seeds it); `positions` are the global indices of the episodes (turns after the first); with `images`
-    (one rlkit.batch.Images or None per prompt) it is also given `images=` for the rows it samples. The
+    (one rlkit.batch.Images or None per prompt) it is also given `images=` for the rows it samples.
+    `pictures` (with the model's `processor`): the environment's observations may show images, decoded by this
+    rule in its workers and rendered by the processor (rlkit/rollout/observations.py); each episode's Images
+    grows with them, and so do the rows' `images` given to `generate` in later turns. The
     environments live in worker processes for the batch (rlkit/envs/workers.py), closed on return;
     `single_turn` runs in this process (no process, no thread).
     """
@@ -374,8 +380,9 @@ def run_episodes(
         )  # fmt: skip
         stop = tuple(sampling.stop) + tuple(s for s in env_stop if s not in sampling.stop)
         limits = dict(
-            max_turns=max_turns, max_total_tokens=max_total_tokens, context=context, eos_ids=eos_ids
-        )
+            max_turns=max_turns, max_total_tokens=max_total_tokens, context=context, eos_ids=eos_ids,
+            processor=processor, pictures=pictures,
+        )  # fmt: skip
         sampling = dataclasses.replace(sampling, stop=stop)
         single = type(runner) is LocalEnvs
         single_turn, gen_seconds = _turns(
@@ -388,7 +395,7 @@ def run_episodes(
 
 
 def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_turns,
-           max_total_tokens, context, eos_ids):  # fmt: skip
+           max_total_tokens, context, eos_ids, processor, pictures):  # fmt: skip
     """The model turns and environment steps of `episodes` until all are done. Returns (the engine's batch
     as it is, for single-turn episodes that need no cut, else None; the generation seconds)."""
 
@@ -429,13 +436,13 @@ def _turns(generate, runner, episodes, n, sampling, tokenizer, *, single, max_tu
         # token budget could ever hold (`max_chars`, as for data rows), so what the trainer tokenizes is
         # bounded by the budget, never by what the environment sent.
         bounds = {e.env: max_chars(tokenizer, room(e) + len(e.ids)) for e in stepping} if measurable else None
-        results = runner.call("step", {e.env: (e.texts[-1],) for e in stepping}, bounds)
+        results = runner.call("step", {e.env: (e.texts[-1],) for e in stepping}, bounds, pictures)
         for e in stepping:
             status, out = results[e.env]
             if status == "ok":
                 _observe(e, out, max_turns=max_turns, room=room, tokenizer=tokenizer,
-                         eos_ids=eos_ids)  # fmt: skip
+                         eos_ids=eos_ids, processor=processor)  # fmt: skip
             else:
-                _fail(e, status, out)
+                _fail(e, status, f"turn {e.turns}: {out}")
         live = [e for e in episodes if not e.done]
     return None, gen_seconds

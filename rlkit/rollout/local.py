@@ -15,6 +15,7 @@ import torch
 from rlkit.batch import ScoredBatch
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import PromptOrder, build_prompts
+from rlkit.envs import takes_images
 from rlkit.models import load_processor
 from rlkit.rewards import RewardScorer
 from rlkit.rewards.model import RewardModel
@@ -61,8 +62,9 @@ class LocalRollouts:
         t, r = cfg.trainer, cfg.rollout
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         train_ds, eval_ds = load_splits(cfg.data, seed=t.seed, env=cfg.env)
-        # Images (data.image_key): the VL model's processor renders each prompt once, here.
-        processor = load_processor(cfg.model.path) if cfg.data.image_key is not None else None
+        # Images (data.image_key, or an environment's): the VL model's processor renders each prompt once, here,
+        # and the pictures an environment shows (rlkit/rollout/observations.py).
+        processor = load_processor(cfg.model.path) if takes_images(cfg) else None
         self.train_prompts = build_prompts(train_ds, tokenizer, cfg.data, name="train", processor=processor)
         self.eval_prompts = (
             build_prompts(eval_ds, tokenizer, cfg.data, name="eval", processor=processor)
@@ -108,7 +110,7 @@ class LocalRollouts:
         self.digests: dict | None = None  # of the last verified push (rlkit.weights.verify_push)
         self.producer = Producer(
             cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=rank, world=world,
-            device=device, reward_model=reward_model, tokenizer=tokenizer,
+            device=device, reward_model=reward_model, tokenizer=tokenizer, processor=processor,
         )  # fmt: skip
 
     @property

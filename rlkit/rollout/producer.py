@@ -32,11 +32,13 @@ from rlkit.config.rules import choice
 from rlkit.config.schema import AlgoConfig, ConfigError
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import prompt_messages
+from rlkit.envs import picture_rule, shows_images
 from rlkit.envs.workers import limits_of
-from rlkit.models import load_tokenizer
+from rlkit.models import load_processor, load_tokenizer
 from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.episodes import check_multiturn_template, run_episodes
 from rlkit.rollout.failures import FailureWatch
+from rlkit.rollout.observations import check_picture_template
 from rlkit.rollout.scored import concat_rollouts, take_groups
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,11 @@ class Producer:
 
     def __init__(
         self, cfg, engine, scorer, prompts, order, *, rank: int, world: int, device=None, reward_model=None,
-        tokenizer=None,
+        tokenizer=None, processor=None,
     ):  # fmt: skip
         self.cfg = cfg
+        self.processor = processor  # the VL model's, where an environment's observations may show images
+        self.pictures = picture_rule(cfg)
         self.engine = engine
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self._awake = False
@@ -194,6 +198,7 @@ class Producer:
                 context=getattr(self.engine, "context", None), first_position=first_prompt,
                 limits=limits_of(env),
                 images=[prompt_set.images[i] for i in indices] if prompt_set.images else None,
+                processor=self.processor, pictures=self.pictures if self.processor is not None else None,
             )  # fmt: skip
 
     # -- one generation batch --------------------------------------------------------------------
@@ -407,6 +412,12 @@ def check_inputs(cfg) -> None:
     if cfg.env.max_turns > 1 and cfg.env.name != "single_turn":
         probe = prompt_messages("What is 1 + 1?", cfg.data)
         check_multiturn_template(load_tokenizer(cfg.model.path), cfg, probe)
+        if shows_images(cfg.env):
+            where = f"env.name={cfg.env.name!r} shows images (model.path={cfg.model.path!r})"
+            try:
+                check_picture_template(load_processor(cfg.model.path), probe, where)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
     route_by = cfg.reward.route_by
     if route_by is not None:
         train, _ = load_splits(cfg.data, seed=cfg.trainer.seed, env=cfg.env)

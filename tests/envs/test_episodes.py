@@ -296,8 +296,9 @@ TURN = "Let me think about it step by step"
 # Each failure and the reason its warning gives.
 MALFORMED = {
     "raise": "step raised RuntimeError: step boom",
-    "content_none": "step returned a bad result: observation[0]['content'] must be a string, got NoneType",
-    "content_int": "observation[0]['content'] must be a string, got int",
+    "content_none": "step returned a bad result: observation[0]['content'] must be a string or a list of text and "
+    "image parts, got NoneType",
+    "content_int": "observation[0]['content'] must be a string or a list of text and image parts, got int",
     "element_not_dict": "observation[0] must be a dict with role and content, got str",
     "not_a_list": "observation must be a list of messages, got str",
     "reset_none": "reset returned a bad result: reset's first messages must be a list of messages, got NoneType",

@@ -325,3 +325,50 @@ def test_an_inflight_push_recomputes_the_pictures_embeddings(vl):
                 t,
                 v,
             )
+
+
+def test_multi_turn_episodes_with_a_picture_shown_by_the_environment(vl):
+    """Episodes whose environment shows a picture at turn 2 (rlkit/envs/images.py) on vLLM: each later turn's
+    prompt, with the shown picture's blocks inside it, is the processor's, and every sampled token's log-prob equals
+    a transformers forward of the whole sequence with all the row's pictures."""
+    import copy
+    import dataclasses
+
+    from rlkit.data.images import expand
+    from rlkit.envs.images import PictureRule
+    from rlkit.rollout.episodes import run_episodes
+    from rlkit.vlmodels import CHAT_TEMPLATE
+
+    _, processor, model, engine = vl
+    processor = copy.deepcopy(
+        processor
+    )  # a template that renders image parts (SmolLM2's ChatML, rlkit.vlmodels)
+    processor.chat_template = processor.tokenizer.chat_template = CHAT_TEMPLATE
+    question = "What is in the plot?"
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    ids, first = expand(processor, text, [picture(4, (48, 40))])
+
+    def generate(prompts, n, sampling, turn, positions, images=None):
+        return engine.generate(prompts, n, dataclasses.replace(sampling, seed=7 + turn), images)
+
+    out = run_episodes(
+        generate, processor.tokenizer, [ids], [[{"role": "user", "content": question}]], [{}], 3,
+        Sampling(temperature=1.0, max_new_tokens=10), env_name="rlkit_test_image_envs:Stoppy", env_kwargs={},
+        max_turns=3, max_total_tokens=400, timeout_s=10.0, eos_ids={processor.tokenizer.eos_token_id}, pad_id=engine.pad_id,
+        context=engine.context, images=[first], processor=processor, pictures=PictureRule(100_000, False),
+    )  # fmt: skip
+    rb = out.rollout
+    assert not out.failed.any()
+    assert any(len(x.pictures) == 2 for x in rb.images), [len(x.pictures) for x in rb.images]
+    gaps = []
+    for row in range(rb.num_samples):
+        prompt = rb.prompt_ids[row][rb.prompt_mask[row]].tolist()
+        end = int(torch.nonzero(rb.response_mask[row]).max()) + 1
+        seq = prompt + rb.response_ids[row, :end].tolist()
+        hf = hf_logprobs(model, seq, rb.images[row])[len(prompt) - 1 :]
+        keep = rb.response_mask[row, :end]
+        gaps.append(float((rb.rollout_logprobs[row, :end][keep] - hf[keep]).abs().max()))
+    print(f"vLLM multi-turn with a shown picture vs transformers, max |dlogp| (fp32): {max(gaps):.2e}")
+    assert max(gaps) <= probe_bound(torch.float32), gaps
