@@ -176,7 +176,8 @@ def image_tokens(
     text = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
     out = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
     ids = out["input_ids"][0].tolist()
-    shift, first = len(ids) - len(short), short_mask.index(True)
+    shift = len(ids) - len(short)
+    first = short_mask.index(True) if True in short_mask else len(short)
     if shift < 0 or ids[first + shift :] != short[first:]:
         raise DataError(
             f"{where}: the processor's expansion of the image placeholders changes the tokens of the assistant "
