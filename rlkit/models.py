@@ -739,6 +739,20 @@ def freeze_vision_tower(model) -> int:
     return sum(p.numel() for p in tower.parameters())
 
 
+def freeze_language_model(model) -> int:
+    """Freeze `model`'s language model: its decoder, input embeddings and output head (`model.freeze_language`),
+    leaving the vision tower and the projector as they are; returns how many parameters it holds."""
+    if vision_tower(model) is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (none of {list(VISION_TOWERS)})")
+    parts = {
+        id(m): m for m in (model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings())
+    }
+    params = {id(p): p for m in parts.values() if m is not None for p in m.parameters()}
+    for p in params.values():
+        p.requires_grad_(False)
+    return sum(p.numel() for p in params.values())
+
+
 def copy_processor(path: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
     """Copy the processor's files of the checkpoint at `path` (a local folder) into `directory` (a checkpoint's
     model folder written by a run with images), so that the checkpoint loads with its processor; returns the

@@ -6,7 +6,9 @@ its warm-up + cosine schedule), run directory, checkpoints (atomic, checksummed,
 differs is the step: no rollout, the rows' own tokens are the targets.
 
     1 rows      trainer.train_batch_size rows of the training split (rlkit/data/sft.py: chat template, a loss
-                mask on the assistant's tokens), in a seeded order that a checkpoint's `data_position` resumes
+                mask on the assistant's tokens; with data.image_key the processor's expanded ids and each row's
+                images, for the learner's vision-language forward), in a seeded order that a checkpoint's
+                `data_position` resumes
     2 update    learner.update with algo.policy_loss=nll, token-mean over the whole global batch
                 (rlkit/algos/losses.py: the gradient is the full batch's whatever the micro-batches and ranks)
     3 eval      the held-out split's token-mean NLL (`eval/loss`) every trainer.eval_every steps and at the end;
@@ -44,7 +46,7 @@ from rlkit.data.prompts import PromptOrder
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
-from rlkit.models import load_tokenizer
+from rlkit.models import load_processor, load_tokenizer
 from rlkit.rollout.local import LocalRollouts
 from rlkit.train import default_num_processes, launch, one_run_dir
 
@@ -91,12 +93,15 @@ def rows_and_steps(cfg: RLConfig):
     the tokenizer, not the model: a data error stops the run here."""
     tokenizer = load_tokenizer(cfg.model.path)
     sft_data.check_tokenizer(tokenizer, cfg.model.path)
+    processor = load_processor(cfg.model.path) if cfg.data.image_key is not None else None
     train, held_out = loading.load_splits(cfg.data, seed=cfg.trainer.seed)
-    rows = sft_data.build_sft_set(train, tokenizer, cfg.data, cfg.sft, split=cfg.data.train_split)
+    rows = sft_data.build_sft_set(
+        train, tokenizer, cfg.data, cfg.sft, split=cfg.data.train_split, processor=processor
+    )
     evals = None
     if len(held_out):
         evals = sft_data.build_sft_set(
-            held_out, tokenizer, cfg.data, cfg.sft, split=cfg.data.eval_split or "eval"
+            held_out, tokenizer, cfg.data, cfg.sft, split=cfg.data.eval_split or "eval", processor=processor
         )
     if cfg.sft.epochs is not None:
         cfg.trainer.steps = math.ceil(cfg.sft.epochs * len(rows) / cfg.trainer.train_batch_size)
@@ -165,8 +170,12 @@ class SFTRun(contextlib.AbstractContextManager):
         """This rank's contiguous share of the global batch `indices`, as the learner's TrainBatch."""
         share = len(indices) // self.world
         mine = indices[self.rank * share : (self.rank + 1) * share]
+        images = [self.rows.images[i] for i in mine] if self.rows.images is not None else None
         return sft_data.train_batch(
-            [self.rows.token_ids[i] for i in mine], [self.rows.loss_masks[i] for i in mine], self.pad_id
+            [self.rows.token_ids[i] for i in mine],
+            [self.rows.loss_masks[i] for i in mine],
+            self.pad_id,
+            images,
         )
 
     def train_step(self) -> dict[str, float]:
@@ -183,7 +192,7 @@ class SFTRun(contextlib.AbstractContextManager):
         """The held-out rows' token-mean NLL under the current weights. Every rank scores every eval row (they
         are few): the same number, no collective beyond the forward's own."""
         e = self.evals
-        batch = sft_data.train_batch(e.token_ids, e.loss_masks, self.pad_id)
+        batch = sft_data.train_batch(e.token_ids, e.loss_masks, self.pad_id, e.images)
         logp = self.learner.forward(batch).logprobs.cpu()
         mask = batch.response_mask
         nll = -torch.where(mask, logp, 0.0).sum() / mask.sum()

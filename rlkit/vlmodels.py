@@ -5,7 +5,7 @@ SmolLM2-135M text model. `build_idefics3` writes the same architecture with the 
 small randomly initialised SigLIP-like vision encoder and the Idefics3 connector (pixel shuffle, then one linear
 projection into the text model's width), and an `Idefics3Processor` around the text model's tokenizer with the
 image tokens added. The vision side knows nothing until it is trained: a short supervised warm-up on rlkit's
-generated pictures (rlkit/data/pictures.py, scripts/see_warmup.py) teaches it to see them.
+generated pictures (rlkit/data/pictures.py; `python -m rlkit.sft +recipe=sft_see`) teaches it to see them.
 
 The chat template is the text model's own ChatML, which also takes a message's content as a list of
 `{"type": "image"}` / `{"type": "text", "text": ...}` parts (an image part becomes `<image>`, which the

@@ -78,6 +78,10 @@ class ModelConfig:
     freeze_vision: bool = True
     """Vision-language models: the vision tower (its encoder and merger) is frozen, as TRL and verl do; the
     projector and the language model train. false trains the vision tower too. Ignored for text models."""
+    freeze_language: bool = False
+    """Vision-language runs with images (data.image_key): the language model (its decoder, embeddings and output
+    head) is frozen, so only the vision side trains: the projector, and the vision tower too with
+    model.freeze_vision=false. The warm-up of a vision side on pictures (recipes/sft_see.yaml); not with LoRA."""
 
 
 @dataclass

@@ -13,6 +13,14 @@ model must produce. They are found by rendering the chat's prefixes (`messages[:
 turns, and the template's own framing of them, are masked. A template whose rendering of a prefix is not a
 prefix of the whole chat's rendering (one that rewrites earlier turns, e.g. drops past reasoning) is refused
 for that row, by name: its masks could not be right.
+
+Rows with images (`data.image_key`, a vision-language model with its processor; the same column, values and
+rules as RL's prompts, rlkit/data/images.py): the row's images go into the user turn that the first assistant
+turn answers (at its `<image>` marks, else before its text), the chat is rendered by the processor's template
+and the processor expands each image placeholder into the image's tokens, so the ids are the expanded ones the
+model reads, and the row carries one `rlkit.batch.Images` (the processor's tensors) into the learner's forward.
+The loss mask is found on the unexpanded rendering, as above, and moved past the expansion (which lies before
+every assistant token; a rendering where it does not is refused for that row, by name).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from rlkit.batch import TrainBatch
+from rlkit.batch import Images, TrainBatch
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, DataConfig, SFTConfig
+from rlkit.data.images import TOKEN_KEYS, digest, row_pictures, vl_messages
 from rlkit.data.loading import DataError
 from rlkit.data.prompts import prompt_messages
 
@@ -54,6 +64,8 @@ class SFTSet:
     """Rows cut to sft.max_length (sft.overlong=truncate)."""
     dropped: int = 0
     """Rows left out: longer than sft.max_length (sft.overlong=drop), or with no assistant token left after the cut."""
+    images: list[Images | None] | None = None
+    """With data.image_key: each row's images (None for a row without any); None for a text set."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -108,20 +120,27 @@ def row_messages(row: dict, index: int, split: str, data: DataConfig, sft: SFTCo
     ]
 
 
-def _render(tokenizer, messages: list[dict], *, generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+def _render(tokenizer, messages: list[dict], *, generation_prompt: bool, template=None) -> list[int]:
+    """The chat's token ids through `template`'s chat template (a VL model's processor; default the tokenizer's),
+    image placeholders unexpanded."""
+    text = (template or tokenizer).apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False).input_ids  # the template already holds BOS where wanted
 
 
-def chat_tokens(messages: list[dict], tokenizer, *, where: str = "the row") -> tuple[list[int], list[bool]]:
-    """(token ids, loss mask) of a chat: the mask is True on the tokens of every assistant turn (see the module)."""
-    ids = _render(tokenizer, messages, generation_prompt=False)
+def chat_tokens(
+    messages: list[dict], tokenizer, *, where: str = "the row", template=None
+) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask) of a chat: the mask is True on the tokens of every assistant turn (see the module).
+    `template`: what renders the chat (a VL model's processor), else the tokenizer."""
+    ids = _render(tokenizer, messages, generation_prompt=False, template=template)
     mask = [False] * len(ids)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], generation_prompt=True))
-        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        start = len(_render(tokenizer, messages[:i], generation_prompt=True, template=template))
+        upto = _render(tokenizer, messages[: i + 1], generation_prompt=False, template=template)
         if ids[: len(upto)] != upto:
             raise DataError(
                 f"{where}: the chat template renders the chat up to assistant turn {i} differently from the "
@@ -130,6 +149,43 @@ def chat_tokens(messages: list[dict], tokenizer, *, where: str = "the row") -> t
             )
         mask[start : len(upto)] = [True] * (len(upto) - start)
     return ids, mask
+
+
+def image_chat(
+    messages: list[dict], pictures: list, data: DataConfig, row: int, value, where: str
+) -> list[dict]:
+    """The chat with its `pictures` in the user turn that the first assistant turn answers
+    (`rlkit.data.images.vl_messages`: at its `<image>` marks, else before its text)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if messages[first - 1]["role"] != "user":
+        raise DataError(
+            f"{where}: data.image_key={data.image_key!r} gives images, but the turn before the first assistant "
+            f"turn is a {messages[first - 1]['role']!r} turn, not the user's that the images belong to"
+        )
+    return [*vl_messages(messages[:first], len(pictures), data, row, value), *messages[first:]]
+
+
+def image_tokens(
+    messages: list[dict], pictures: list, processor, *, where: str
+) -> tuple[list[int], list[bool], Images]:
+    """(expanded token ids, loss mask, Images) of a chat whose images sit in a user turn (`image_chat`): the
+    processor renders and expands it once; the mask, found on the unexpanded rendering (`chat_tokens`), moves
+    past the expansion, which must lie before the first assistant token with every later token unchanged."""
+    tokenizer = processor.tokenizer
+    short, short_mask = chat_tokens(messages, tokenizer, where=where, template=processor)
+    text = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    out = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+    ids = out["input_ids"][0].tolist()
+    shift = len(ids) - len(short)
+    first = short_mask.index(True) if True in short_mask else len(short)
+    if shift < 0 or ids[first + shift :] != short[first:]:
+        raise DataError(
+            f"{where}: the processor's expansion of the image placeholders changes the tokens of the assistant "
+            "turns (or lies after the first of them), so the loss mask cannot be placed on the expanded ids"
+        )
+    mask = [False] * shift + short_mask
+    tensors = {k: v for k, v in out.items() if k not in TOKEN_KEYS and isinstance(v, torch.Tensor)}
+    return ids, mask, Images(tuple(pictures), tensors, digest(pictures))
 
 
 def check_tokenizer(tokenizer, model_path: str) -> None:
@@ -141,14 +197,42 @@ def check_tokenizer(tokenizer, model_path: str) -> None:
         )
 
 
-def build_sft_set(dataset, tokenizer, data: DataConfig, sft: SFTConfig, *, split: str = "train") -> SFTSet:
+def row_tokens(
+    row: dict, index: int, split: str, tokenizer, data: DataConfig, sft: SFTConfig, processor=None
+):
+    """(token ids, loss mask, Images or None) of dataset row `index` (1-based) of `split`."""
+    where = f"row {index} of split {split!r}"
+    messages = row_messages(row, index, split, data, sft)
+    if data.image_key is None:
+        return (*chat_tokens(messages, tokenizer, where=where), None)
+    if data.image_key not in row:
+        raise DataError(
+            f"data.image_key={data.image_key!r} is not a column of the data (columns: {sorted(row)})"
+        )
+    value = row[data.image_key]
+    local = Path(data.path).expanduser()
+    base = (local if local.is_dir() else local.parent) if local.exists() else None
+    pictures = row_pictures(value, data, index, base)
+    if not pictures:
+        return (*chat_tokens(messages, tokenizer, where=where, template=processor), None)
+    chat = image_chat(messages, pictures, data, index, value, where)
+    return image_tokens(chat, pictures, processor, where=where)
+
+
+def build_sft_set(
+    dataset, tokenizer, data: DataConfig, sft: SFTConfig, *, split: str = "train", processor=None
+) -> SFTSet:
     """Render, tokenise and mask every row of `dataset`; apply sft.max_length as sft.overlong says (counted and
-    logged). An empty result is a DataError naming the keys that emptied it."""
-    ids, masks = [], []
+    logged). An empty result is a DataError naming the keys that emptied it. With data.image_key, `processor`
+    (the VL model's) renders the rows and expands their images (see the module)."""
+    if data.image_key is not None and processor is None:
+        raise ValueError(
+            f"data.image_key={data.image_key!r} needs a vision-language model with its processor"
+        )
+    ids, masks, images = [], [], []
     truncated = dropped = 0
     for i, row in enumerate(dataset):
-        where = f"row {i + 1} of split {split!r}"
-        tokens, mask = chat_tokens(row_messages(dict(row), i + 1, split, data, sft), tokenizer, where=where)
+        tokens, mask, pictures = row_tokens(dict(row), i + 1, split, tokenizer, data, sft, processor)
         if len(tokens) > sft.max_length:
             if sft.overlong == "drop":
                 dropped += 1
@@ -160,6 +244,7 @@ def build_sft_set(dataset, tokenizer, data: DataConfig, sft: SFTConfig, *, split
             continue
         ids.append(tokens)
         masks.append(mask)
+        images.append(pictures)
     log.info(
         "%s rows: %d kept, %d truncated to sft.max_length=%d, %d dropped (sft.overlong=%s)",
         split, len(ids), truncated, sft.max_length, dropped, sft.overlong,
@@ -170,14 +255,15 @@ def build_sft_set(dataset, tokenizer, data: DataConfig, sft: SFTConfig, *, split
             f"sft.overlong={sft.overlong!r} and sft.max_length={sft.max_length}, every row is too long or loses "
             "all its assistant tokens; raise sft.max_length"
         )
-    return SFTSet(ids, masks, truncated, dropped)
+    return SFTSet(ids, masks, truncated, dropped, images if data.image_key is not None else None)
 
 
 def train_batch(
-    token_ids: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]], pad_id: int
+    token_ids: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]], pad_id: int, images=None
 ) -> TrainBatch:
     """Rows as the learner's TrainBatch: the first token is the prompt (nothing predicts it), the rest the
-    response, right-padded, its mask the loss mask. `advantages` are zeros: the `nll` loss reads none."""
+    response, right-padded, its mask the loss mask. `advantages` are zeros: the `nll` loss reads none. `images`:
+    each row's Images or None (the VL forward finds their placeholders anywhere in the row's ids)."""
     n, width = len(token_ids), max(len(t) for t in token_ids) - 1
     response = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros(n, width, dtype=torch.bool)
@@ -188,4 +274,5 @@ def train_batch(
     return TrainBatch(
         prompt_ids=prompt, prompt_mask=torch.ones_like(prompt, dtype=torch.bool), response_ids=response,
         response_mask=mask, advantages=torch.zeros(n, width),
+        images=tuple(images) if images is not None and any(x is not None for x in images) else None,
     )  # fmt: skip

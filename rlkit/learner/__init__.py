@@ -8,7 +8,7 @@ It never imports rlkit.rollout: rollouts arrive as `rlkit.batch` batches and the
 """
 
 from rlkit.learner import compiled, lora, optim, routing, strategy, teacher
-from rlkit.learner.learner import Learner
+from rlkit.learner.learner import Learner, check_frozen_parts
 from rlkit.learner.logprobs import LogProbs
 
 __all__ = ["Learner", "LogProbs", "check_config"]
@@ -16,7 +16,7 @@ __all__ = ["Learner", "LogProbs", "check_config"]
 
 def check_config(cfg) -> None:
     """The keys the learner owns (model.dtype, trainer.device / strategy / lr_schedule / compile_backend, model.lora.*, the
-    distillation teacher)."""
+    distillation teacher, model.freeze_language)."""
 
     strategy.check_config(cfg)
     optim.check_config(cfg)
@@ -24,3 +24,4 @@ def check_config(cfg) -> None:
     teacher.check_config(cfg)
     compiled.check_config(cfg)
     routing.check_config(cfg)
+    check_frozen_parts(cfg)

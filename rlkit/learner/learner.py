@@ -46,6 +46,7 @@ from rlkit.batch import Sequences, TrainBatch
 from rlkit.checkpoints import CheckpointError, latest_checkpoint
 from rlkit.collectives import all_reduce
 from rlkit.config.derived import derive
+from rlkit.config.schema import ConfigError
 from rlkit.envs import takes_images
 from rlkit.flops import ModelShape, sequence_flops
 from rlkit.learner import checkpoint, compiled, optim, routing, teacher
@@ -67,6 +68,7 @@ from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import (
     eval_mode,
+    freeze_language_model,
     freeze_vision_tower,
     load_causal_lm,
     load_tokenizer,
@@ -76,6 +78,26 @@ from rlkit.models import (
 from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
+
+
+def check_frozen_parts(cfg) -> None:
+    """`model.freeze_language` (raises ConfigError): it freezes the language model of a run with images, so it
+    needs data.image_key, and LoRA (whose adapters sit in the language model only) would leave nothing to train."""
+    m = cfg.model
+    if not m.freeze_language:
+        return
+    if cfg.data.image_key is None:
+        raise ConfigError(
+            "model.freeze_language=true freezes the language model of a vision-language run with images, but "
+            "data.image_key is null (a text run would have nothing left to train): set data.image_key, or "
+            "model.freeze_language=false (valid: true | false)"
+        )
+    if m.lora.rank > 0:
+        raise ConfigError(
+            f"model.freeze_language=true with model.lora.rank={m.lora.rank}: LoRA adapts the language model's "
+            "layers only, which freeze_language freezes, so nothing would train; use model.lora.rank=0, or "
+            "model.freeze_language=false (valid: true | false)"
+        )
 
 
 class Learner:
@@ -110,6 +132,8 @@ class Learner:
         policy.config.use_cache = False
         if self.vision and m.freeze_vision:
             freeze_vision_tower(policy)
+        if self.vision and m.freeze_language:  # the vision side's warm-up (recipes/sft_see.yaml)
+            freeze_language_model(policy)
         self.packed = packing(t.pack_sequences, policy)
         # Mixture-of-experts: no router auxiliary (load-balancing) loss. rlkit's loss is built from the
         # log-probs alone and transformers adds that term only to its own `loss` (with labels, which rlkit never

@@ -25,15 +25,27 @@ def test_all_four_recipes_exist():
     assert {"grpo_gsm8k", "ppo_gsm8k", "dr_grpo_gsm8k", "quickstart", "quickstart_1digit"} <= set(RECIPES)
 
 
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    from vl_families import build_vl_family
+
+    return build_vl_family("smolvlm", tmp_path_factory.mktemp("vl") / "model")
+
+
 @pytest.fixture
-def distill_teacher(tmp_path, monkeypatch):
+def distill_teacher(tmp_path, monkeypatch, tiny_vl):
     """The working directory a user of +recipe=distill_quickstart has after `make distill-teacher`: a model
-    at ./runs/distill-teacher/checkpoints/step_25/model (here a tiny one with SmolLM2's tokenizer)."""
+    at ./runs/distill-teacher/checkpoints/step_25/model (here a tiny one with SmolLM2's tokenizer); and that of
+    a user of +recipe=grpo_see after `+recipe=sft_see`: a VL model with its processor at
+    ./runs/sft-see/checkpoints/step_12/model (here the tiny Idefics3)."""
+    import shutil
+
     from rlkit.models import make_tiny_checkpoint
 
     make_tiny_checkpoint(
         tmp_path / "runs/distill-teacher/checkpoints/step_25/model", hidden_size=16, num_layers=1
     )
+    shutil.copytree(tiny_vl, tmp_path / "runs/sft-see/checkpoints/step_12/model")
     monkeypatch.chdir(tmp_path)
 
 

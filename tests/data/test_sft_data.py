@@ -2,6 +2,7 @@
 template's text, prompt/completion rows templated as RL prompts are, the length budget, and bad input named."""
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -183,3 +184,43 @@ def test_train_batch_layout():
     assert batch.response_ids.tolist() == [[6, 7, 8], [10, 0, 0]]
     assert batch.response_mask.tolist() == [[False, True, True], [True, False, False]]
     assert batch.advantages.shape == (2, 3)
+
+
+@pytest.fixture(scope="module")
+def vl_processor(tmp_path_factory):
+    """The tiny Idefics3 / SmolVLM processor of tests/vl_families.py (4 image tokens per 32-pixel picture)."""
+    from vl_families import build_vl_family
+
+    from rlkit.models import load_processor
+
+    return load_processor(build_vl_family("smolvlm", tmp_path_factory.mktemp("smolvlm") / "ckpt"))
+
+
+def test_an_image_row_has_the_processors_expanded_ids_and_its_answer_masked(vl_processor, tmp_path):
+    from vl_families import picture
+
+    path = tmp_path / "red.png"
+    picture((255, 0, 0), size=(32, 32)).save(path)
+    data = DataConfig(
+        path=str(tmp_path), prompt_key="q", answer_key="a", image_key="image", system_prompt="Be brief.",
+        instruction="",
+    )  # fmt: skip
+    rows = [{"q": "What colour?", "a": "red", "image": str(path)}]
+    got = build_sft_set(rows, vl_processor.tokenizer, data, SFTConfig(), processor=vl_processor)
+    text = (  # the chat written by hand: the picture before the question
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n<image>What colour?<|im_end|>\n"
+        "<|im_start|>assistant\nred<|im_end|>\n"
+    )
+    from PIL import Image
+
+    want = vl_processor(text=[text], images=[Image.open(path).convert("RGB")], add_special_tokens=False)
+    assert got.token_ids[0] == want["input_ids"][0]
+    answer = len(vl_processor.tokenizer("red<|im_end|>\n", add_special_tokens=False).input_ids)
+    assert got.loss_masks[0] == [False] * (len(want["input_ids"][0]) - answer) + [True] * answer
+    images = got.images[0]
+    assert images.pictures[0].size == (32, 32) and "pixel_values" in images.tensors
+    batch = train_batch(got.token_ids, got.loss_masks, 0, got.images)
+    assert batch.images == (images,)
+    with pytest.raises(DataError, match="data.image_key='picture' is not a column"):
+        build_sft_set(rows, vl_processor.tokenizer, dataclasses.replace(data, image_key="picture"), SFTConfig(),
+                      processor=vl_processor)  # fmt: skip

@@ -29,6 +29,14 @@ def test_cpu_defaults():
     assert _settings(enable_chunked_prefill=True).llm_kwargs["enable_chunked_prefill"] is True  # the user's
 
 
+def test_a_vision_language_config_takes_its_text_models_context():
+    from transformers import Idefics3Config
+
+    vl = Idefics3Config(text_config={"model_type": "llama", "max_position_embeddings": 8192})
+    assert getattr(vl, "max_position_embeddings", None) is None  # not on the outer config
+    assert _settings(vl).llm_kwargs["max_num_batched_tokens"] == 8192  # vLLM's max_model_len: whole prefills
+
+
 def test_cuda_defaults_colocated_and_alone():
     s = _settings(platform="cuda", dtype="bfloat16")
     assert not s.enforce_eager and s.enable_sleep_mode and s.gpu_memory_utilization == COLOCATED_GPU_SHARE

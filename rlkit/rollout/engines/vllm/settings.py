@@ -82,7 +82,9 @@ def engine_settings(
     dtype_name = str(dtype).removeprefix("torch.")
     if on_cpu:
         # Whole prefills only: see VLLMEngine's docstring (seeded requests, CPU generators).
-        context = max_model_len or getattr(config, "max_position_embeddings", None) or 0
+        # A vision-language config holds its context in its text config (Idefics3's max_position_embeddings).
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        context = max_model_len or getattr(text, "max_position_embeddings", None) or 0
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         max_num_batched_tokens = max(max_num_batched_tokens, context)
         if getattr(config, "kv_lora_rank", None) and dtype_name == "float32":
