@@ -493,6 +493,25 @@ def is_vision_language(path: str | os.PathLike) -> bool:
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
+def images_problem(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint at `path` cannot take images, as the end of a sentence ("is a text-only model ...",
+    "is a vision-language checkpoint without a processor ..."), or None: it can, or its config cannot be read
+    now (a hub id out of reach: the model's own load says so)."""
+    try:
+        vision = is_vision_language(path)
+    except OSError:
+        return None
+    if not vision:
+        return "is a text-only model (its config has no vision_config): use a vision-language checkpoint"
+    folder = Path(resolve_model(path)[0])
+    if folder.is_dir() and not any((folder / f).is_file() for f in PROCESSOR_FILES):
+        return (
+            f"is a vision-language checkpoint without a processor (none of {list(PROCESSOR_FILES)}): save its "
+            "AutoProcessor beside it"
+        )
+    return None
+
+
 def load_processor(path: str | os.PathLike):
     """The `AutoProcessor` of a vision-language checkpoint, its tokenizer set up as `load_tokenizer`'s.
 

@@ -46,6 +46,19 @@ def row_pictures(value, cfg: DataConfig, row: int, base: Path | None = None) -> 
     return [decode(v, cfg, row, base) for v in values]
 
 
+def column_pictures(row: dict, cfg: DataConfig, number: int) -> tuple[object, list]:
+    """(the value of row `number`'s data.image_key column, its PIL images); a relative path is looked up beside a
+    local data.path. A row without the column raises ValueError naming the key and the columns."""
+    if cfg.image_key not in row:
+        raise ValueError(
+            f"data.image_key={cfg.image_key!r} is not a column of the data (columns: {sorted(row)})"
+        )
+    value = row[cfg.image_key]
+    local = Path(cfg.path).expanduser()
+    base = (local if local.is_dir() else local.parent) if local.exists() else None
+    return value, row_pictures(value, cfg, number, base)
+
+
 def digest(pictures) -> str:
     """sha256 over the pictures' sizes and RGB pixels (Images.digest)."""
     h = hashlib.sha256()

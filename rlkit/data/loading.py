@@ -420,20 +420,10 @@ def check_images(cfg) -> None:
     path = getattr(getattr(cfg, "model", None), "path", None)
     if not path:
         return
-    from rlkit.models import PROCESSOR_FILES, is_vision_language, resolve_model  # defers torch
+    from rlkit.models import images_problem  # defers torch
 
-    try:
-        vision = is_vision_language(path)
-    except OSError:  # a hub id not reachable now: the model's own load says so
-        return
-    if not vision:
+    problem = images_problem(path)
+    if problem is not None:
         raise ConfigError(
-            f"data.image_key={d.image_key!r} gives images, but model.path={path!r} is a text-only model (its config "
-            "has no vision_config): use a vision-language checkpoint, or data.image_key=null"
-        )
-    folder = Path(resolve_model(path)[0])
-    if folder.is_dir() and not any((folder / f).is_file() for f in PROCESSOR_FILES):
-        raise ConfigError(
-            f"data.image_key={d.image_key!r}: model.path={path!r} is a vision-language checkpoint without a "
-            f"processor (none of {list(PROCESSOR_FILES)}): save its AutoProcessor beside it"
+            f"data.image_key={d.image_key!r} gives images, but model.path={path!r} {problem} (or data.image_key=null)"
         )

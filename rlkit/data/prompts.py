@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -159,14 +158,7 @@ def _render_row(question: str, row: dict, processor, cfg: DataConfig, number: in
     column becomes the images' digest."""
     from rlkit.data import images as row_images  # defers torch (rlkit.batch)
 
-    if cfg.image_key not in row:
-        raise ValueError(
-            f"data.image_key={cfg.image_key!r} is not a column of the data (columns: {sorted(row)})"
-        )
-    value = row[cfg.image_key]
-    local = Path(cfg.path).expanduser()
-    base = (local if local.is_dir() else local.parent) if local.exists() else None
-    pictures = row_images.row_pictures(value, cfg, number, base)
+    value, pictures = row_images.column_pictures(row, cfg, number)
     text, tok, imgs = row_images.render_with_images(
         prompt_messages(question, cfg), pictures, processor, cfg, number, value
     )

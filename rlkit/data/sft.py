@@ -28,14 +28,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from rlkit.batch import Images, TrainBatch
 from rlkit.config.rules import choice, nonempty
 from rlkit.config.schema import ConfigError, DataConfig, SFTConfig
-from rlkit.data.images import TOKEN_KEYS, digest, row_pictures, vl_messages
+from rlkit.data.images import TOKEN_KEYS, ImageError, column_pictures, digest, vl_messages
 from rlkit.data.loading import DataError
 from rlkit.data.prompts import prompt_messages
 
@@ -205,14 +204,12 @@ def row_tokens(
     messages = row_messages(row, index, split, data, sft)
     if data.image_key is None:
         return (*chat_tokens(messages, tokenizer, where=where), None)
-    if data.image_key not in row:
-        raise DataError(
-            f"data.image_key={data.image_key!r} is not a column of the data (columns: {sorted(row)})"
-        )
-    value = row[data.image_key]
-    local = Path(data.path).expanduser()
-    base = (local if local.is_dir() else local.parent) if local.exists() else None
-    pictures = row_pictures(value, data, index, base)
+    try:
+        value, pictures = column_pictures(row, data, index)
+    except ImageError:
+        raise
+    except ValueError as e:  # no such column
+        raise DataError(str(e)) from e
     if not pictures:
         return (*chat_tokens(messages, tokenizer, where=where, template=processor), None)
     chat = image_chat(messages, pictures, data, index, value, where)

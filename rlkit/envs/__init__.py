@@ -25,8 +25,6 @@ classmethod `rows(**env.kwargs)` can also be the dataset (`data.path=env`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlkit.config.schema import ConfigError
 from rlkit.envs import openenv_env, verifiers_env
 from rlkit.envs.base import ADAPTERS, ENVIRONMENTS, Environment, SingleTurn, make_env, resolve_env
@@ -108,25 +106,12 @@ def check_env_images(cfg) -> None:
     takes them (raises ValueError naming the keys)."""
     if not shows_images(cfg.env):
         return
-    from rlkit.models import PROCESSOR_FILES, is_vision_language, resolve_model  # defers torch
+    from rlkit.models import images_problem  # defers torch
 
     where = f"env.name={cfg.env.name!r} shows images in its observations"
-    path = cfg.model.path
-    try:
-        vision = is_vision_language(path)
-    except OSError:  # a hub id not reachable now: the model's own load says so
-        return
-    if not vision:
-        raise ValueError(
-            f"{where}, but model.path={path!r} is a text-only model (its config has no vision_config): use a "
-            "vision-language checkpoint"
-        )
-    folder = Path(resolve_model(path)[0])
-    if folder.is_dir() and not any((folder / f).is_file() for f in PROCESSOR_FILES):
-        raise ValueError(
-            f"{where}, but model.path={path!r} has no processor (none of {list(PROCESSOR_FILES)}): save its "
-            "AutoProcessor beside it"
-        )
+    problem = images_problem(cfg.model.path)
+    if problem is not None:
+        raise ValueError(f"{where}, but model.path={cfg.model.path!r} {problem}")
     if cfg.trainer.strategy == "fsdp2":
         raise ValueError(
             f"{where}: with trainer.strategy=fsdp2 a row whose episode showed no picture would skip the sharded "

@@ -37,7 +37,7 @@ def distill_teacher(tmp_path, monkeypatch, tiny_vl):
     """The working directory a user of +recipe=distill_quickstart has after `make distill-teacher`: a model
     at ./runs/distill-teacher/checkpoints/step_25/model (here a tiny one with SmolLM2's tokenizer); and that of
     a user of +recipe=grpo_see after `+recipe=sft_see`: a VL model with its processor at
-    ./runs/sft-see/checkpoints/step_12/model (here the tiny Idefics3)."""
+    ./runs/sft-see/checkpoints/step_40/model (here the tiny Idefics3)."""
     import shutil
 
     from rlkit.models import make_tiny_checkpoint
@@ -45,7 +45,7 @@ def distill_teacher(tmp_path, monkeypatch, tiny_vl):
     make_tiny_checkpoint(
         tmp_path / "runs/distill-teacher/checkpoints/step_25/model", hidden_size=16, num_layers=1
     )
-    shutil.copytree(tiny_vl, tmp_path / "runs/sft-see/checkpoints/step_12/model")
+    shutil.copytree(tiny_vl, tmp_path / "runs/sft-see/checkpoints/step_40/model")
     monkeypatch.chdir(tmp_path)
 
 
