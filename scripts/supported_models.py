@@ -130,6 +130,36 @@ def capabilities(name: str) -> tuple[str, str]:
     return packing, replay
 
 
+# The vision-language families with images (tests/vl_families.py's tiny checkpoints with their processors): what
+# each engine does with pictures and whether rows with pictures pack, as the tests named in each cell hold it.
+IMAGES = {
+    "Qwen2.5-VL": ("Qwen2_5_VLForConditionalGeneration", "trains (test_hf_images, test_vl_train)",
+                   "refused: its vLLM processor imports torchvision", "packed = unpacked (test_vl_packing)"),
+    "Qwen3-VL": ("Qwen3VLForConditionalGeneration", "trains (test_hf_images)",
+                 "refused: its vLLM processor imports torchvision", "packed = unpacked (test_vl_packing)"),
+    "Qwen3.5 with its vision tower": ("Qwen3_5ForConditionalGeneration", "trains (test_hf_images)",
+                                      "refused: vLLM's module imports torchvision",
+                                      "off: linear_attention layers carry state"),
+    "Gemma 3": ("Gemma3ForConditionalGeneration", "trains (test_hf_images)",
+                "refused: no placeholder rule yet", "packed = unpacked (test_vl_packing)"),
+    "SmolVLM / Idefics3": ("Idefics3ForConditionalGeneration", "trains (test_hf_images, test_env_images)",
+                           "trains with images, within 9.5e-7 in fp32 (test_vllm_images)",
+                           "packed = unpacked (test_vl_packing)"),
+}  # fmt: skip
+
+
+def render_images() -> list[str]:
+    """The images table: one row per vision-language family."""
+    lines = [
+        "\n## With images\n",
+        "| family | transformers class | images on the HF engine | images on vLLM (CPU build) | packing with images |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (cls, hf, vllm, packing) in IMAGES.items():
+        lines.append(f"| {name} | `{cls}` | {hf} | {vllm} | {packing} |")
+    return lines
+
+
 def render(data: dict) -> str:
     from model_families import FAMILIES
 
@@ -156,7 +186,7 @@ def render(data: dict) -> str:
         lines.append(
             f"| {name} | `{cls}` | {STATUS[row['hf']]} | {vllm} | {vllm} | {gaps} | {packing} | {replay} | {why.strip()} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + render_images()) + "\n"
 
 
 if __name__ == "__main__":
