@@ -252,6 +252,7 @@ BAD = [
     ),
     ("data.resize_images", "maybe", ["data.resize_images", "maybe"]),
     ("model.freeze_vision", "maybe", ["model.freeze_vision", "maybe"]),
+    ("model.freeze_language", "maybe", ["model.freeze_language", "maybe"]),
     ("sft.generation_eval", "maybe", ["sft.generation_eval", "maybe"]),
     (
         "data.picture_kinds",
