@@ -53,14 +53,8 @@ def vl_cfg(path, **flat):
     return cfg
 
 
-@pytest.mark.parametrize(
-    ("chunk", "pack"), [(0, False), (8, False), (8, True)], ids=["full-head", "chunked", "chunked-packed"]
-)
-def test_learner_logprobs_equal_each_row_alone(vl, chunk, pack):
-    path, processor, ps = vl
-    learner = Learner(
-        vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000, pack_sequences=pack)
-    )
+def assert_rows_score_alone(learner, path, processor, ps) -> None:
+    """The learner's log-probs of every row of `ps` equal plain transformers' on that row alone (within 1e-4)."""
     rows = sequences(ps)
     got = learner.forward(rows).logprobs
     model = load_causal_lm(path, vision=True)
@@ -69,6 +63,17 @@ def test_learner_logprobs_equal_each_row_alone(vl, chunk, pack):
         pictures = ps.images[i].pictures if ps.images[i] is not None else ()
         ref = logprobs_alone(model, processor, ps.texts[i], pictures, rows.response_ids[i][keep].tolist())
         assert torch.allclose(got[i][keep], ref, atol=1e-4), (i, (got[i][keep] - ref).abs().max())
+
+
+@pytest.mark.parametrize(
+    ("chunk", "pack"), [(0, False), (8, False), (8, True)], ids=["full-head", "chunked", "chunked-packed"]
+)
+def test_learner_logprobs_equal_each_row_alone(vl, chunk, pack):
+    path, processor, ps = vl
+    learner = Learner(
+        vl_cfg(path, logprob_chunk_tokens=chunk, max_tokens_per_microbatch=10_000, pack_sequences=pack)
+    )
+    assert_rows_score_alone(learner, path, processor, ps)
 
 
 def test_vision_tower_frozen_by_default_and_packing_on_but_for_the_hybrid(vl, caplog):
@@ -108,14 +113,7 @@ def test_lora_adapts_the_language_model_only(vl):
         assert any(n.endswith("visual.blocks.0.mlp.gate_proj.weight") for n in names)
     # Packed through the peft wrapper (Qwen's per-row 3D positions read its base model): the adapters start at
     # zero, so each row scores as the base model's row alone.
-    rows = sequences(ps)
-    got = learner.forward(rows).logprobs
-    model = load_causal_lm(path, vision=True)
-    for i in range(len(ps)):
-        keep = rows.response_mask[i]
-        pictures = ps.images[i].pictures if ps.images[i] is not None else ()
-        ref = logprobs_alone(model, processor, ps.texts[i], pictures, rows.response_ids[i][keep].tolist())
-        assert torch.allclose(got[i][keep], ref, atol=1e-4), (i, (got[i][keep] - ref).abs().max())
+    assert_rows_score_alone(learner, path, processor, ps)
 
 
 def test_rows_without_images_are_refused_under_fsdp2():
