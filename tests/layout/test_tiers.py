@@ -10,9 +10,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 # Calls that start something the fast tier must not wait for: run_helpers' trainer runs and launches, a Trainer,
-# a vLLM engine, torch.multiprocessing's process groups.
+# a vLLM engine, torch.multiprocessing's process groups (directly or through learner_helpers.spawn_ranks).
 RUN_HELPERS = {"train", "launch", "start", "one_and_two_processes", "run_args"}
-STARTERS = {"Trainer", "VLLMEngine"}
+STARTERS = {"Trainer", "VLLMEngine", "spawn_ranks"}
 SPAWNERS = {"spawn", "start_processes"}  # torch.multiprocessing.spawn / start_processes, under any alias
 # Modules where such a call starts nothing heavy, and why.
 EXEMPT = {

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from rlkit.algos import correction, kl, losses
 from rlkit.batch import TrainBatch
-from rlkit.collectives import free_port  # noqa: F401  (re-exported for the tests)
 
 VOCAB = 128
 
@@ -93,8 +95,34 @@ def make_batch(
     )
 
 
+def spawn_ranks(worker, *args, nprocs: int = 2, timeout_s: float = 600.0) -> None:
+    """Run `worker(rank, nprocs, port, *args)` in `nprocs` spawned processes and wait for them.
+
+    The rendezvous store listens here before any rank starts, on a port the OS gives it (port 0), so no other
+    process can take that port between choosing and binding it (a port chosen, released and bound again by a
+    rank seconds later, after its imports, could be taken meanwhile by the other pytest worker's vLLM engine or
+    gloo connections: the ranks then waited on a stranger's store). A rank that hangs fails the test after
+    `timeout_s`, naming the worker, instead of holding the suite.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.spawn(worker, args=(nprocs, store.port, *args), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=2.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{worker.__qualname__}: {nprocs} ranks still running after {timeout_s:.0f} s"
+                )
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        del store
+
+
 def init_worker_env(rank: int, world_size: int, port: int) -> None:
-    """Environment accelerate / torch.distributed read in a spawned CPU worker (gloo)."""
+    """Join the gloo process group of `spawn_ranks` (its store on 127.0.0.1:`port`), with the environment
+    accelerate reads in a spawned CPU worker; accelerate then finds the group joined and keeps it."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -105,6 +133,8 @@ def init_worker_env(rank: int, world_size: int, port: int) -> None:
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
 def load_fp32(path: str):

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from cfg_helpers import learner_cfg
 from learner_helpers import (
     FULL_LOSS,
@@ -16,11 +15,11 @@ from learner_helpers import (
     assert_grads_close,
     assert_resume_exact,
     four_steps_then_two_plus_two,
-    free_port,
     global_batch,
     init_worker_env,
     learner_grads,
     reference_grads,
+    spawn_ranks,
     write_tiny_llama,
 )
 
@@ -55,7 +54,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: 
 @pytest.fixture(scope="module")
 def ddp_results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_model_dir, str(out)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, tiny_model_dir, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -137,7 +136,6 @@ def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir:
     from rlkit.weights import iter_full_parameters
 
     init_worker_env(rank, world_size, port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # Activation checkpointing renames layers (`_checkpoint_wrapped_module`), as accelerate does.
     for i, layer in enumerate(model.model.layers):
@@ -159,7 +157,7 @@ def test_fsdp2_export_equals_unsharded_state_dict(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = write_tiny_llama(tmp_path / "untied", seed=3, tie=False)
-    mp.spawn(_fsdp_worker, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_fsdp_worker, model_dir, str(tmp_path))
     expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"fsdp{rank}.pt", weights_only=False)

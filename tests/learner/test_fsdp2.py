@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from cfg_helpers import learner_cfg
 from learner_helpers import (
     FULL_LOSS,
@@ -56,13 +55,13 @@ from learner_helpers import (
     RESUME,
     assert_resume_exact,
     four_steps_then_two_plus_two,
-    free_port,
     full_batch_logprobs,
     global_batch,
     init_worker_env,
     load_fp32,
     local_rows,
     reference_grads,
+    spawn_ranks,
     step_batches,
 )
 from reuse_helpers import LOSS as REUSE_LOSS
@@ -228,8 +227,7 @@ def launches(tiny_model_dir, tok_model_dir, tmp_path_factory):
     def launch(dtype):
         if dtype not in done:
             out = tmp_path_factory.mktemp(f"fsdp2_{dtype}")
-            args = (2, free_port(), tiny_model_dir, tok_model_dir, str(out), dtype)
-            mp.spawn(_worker, args=args, nprocs=2, join=True)
+            spawn_ranks(_worker, tiny_model_dir, tok_model_dir, str(out), dtype)
             ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
             done[dtype] = dtype, ranks, out
         return done[dtype]

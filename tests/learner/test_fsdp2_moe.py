@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from cfg_helpers import learner_cfg
-from learner_helpers import FULL_LOSS, free_port, global_batch, init_worker_env, local_rows, reference_grads
+from learner_helpers import FULL_LOSS, global_batch, init_worker_env, local_rows, reference_grads, spawn_ranks
 from model_families import family_config
 
 from rlkit.learner import Learner
@@ -56,7 +55,7 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(moe_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_moe")
-    mp.spawn(_worker, args=(2, free_port(), moe_dir, str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, moe_dir, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from cfg_helpers import learner_cfg
-from learner_helpers import VOCAB, assert_grads_close, free_port, init_worker_env, learner_grads, load_fp32
+from learner_helpers import VOCAB, assert_grads_close, init_worker_env, learner_grads, load_fp32, spawn_ranks
 
 from rlkit.algos.losses import aggregate, nll
 from rlkit.data.sft import train_batch
@@ -93,7 +92,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 
 def test_two_process_sft_gradient_equals_full_batch(tiny_model_dir, tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), tiny_model_dir, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, tiny_model_dir, str(tmp_path))
     ids, masks = rows()
     want_loss, want = hf_grads(tiny_model_dir, ids, masks)
     for rank in (0, 1):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from cfg_helpers import learner_cfg
-from learner_helpers import FULL_LOSS, free_port, init_worker_env
+from learner_helpers import FULL_LOSS, init_worker_env, spawn_ranks
 from test_vl_learner import sequences
 from vl_families import build_vl_family, logprobs_alone, picture
 
@@ -92,7 +91,7 @@ def test_fsdp2_over_a_vl_model(tmp_path, pack):
     from rlkit.models import load_causal_lm
 
     path = build_vl_family("qwen2.5-vl", tmp_path / "qwen25vl")
-    mp.spawn(_worker, args=(2, free_port(), path, str(tmp_path), pack), nprocs=2, join=True)
+    spawn_ranks(_worker, path, str(tmp_path), pack)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     processor, ps = prompts(path)
     batch = train_batch(ps)

@@ -310,8 +310,14 @@ def test_worker_reload_runs_the_loaders_and_the_processing_in_vllms_config_conte
     from vllm.model_executor.model_loader.reload import layerwise
 
     from rlkit.rollout.engines.vllm import reload as vllm_reload
+    from rlkit.rollout.engines.vllm.platform import contained_side_effects
 
-    config, seen = VllmConfig(), []
+    # Building a VllmConfig runs the CPU platform's check_and_update_config, which extends LD_PRELOAD with libgomp
+    # and tcmalloc: undone as the engine undoes it, or every later test of this pytest worker inherits them
+    # (test_vllm_engine.py's check that building an engine leaves LD_PRELOAD alone then failed after this one).
+    with contained_side_effects():
+        config = VllmConfig()
+    seen = []
 
     def current(where):
         seen.append((where, get_current_vllm_config() is config))
