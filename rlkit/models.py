@@ -168,15 +168,51 @@ def model_shape(path: str | os.PathLike) -> dict:
     return {k: data[k] for k in SHAPE_KEYS if k in data}
 
 
+def offline_without_hub() -> bool:
+    """Whether the hub is out of reach from this machine: its host name (`HF_ENDPOINT`'s, huggingface.co by
+    default) does not resolve, or the user set HF_HUB_OFFLINE. When it does not resolve, the hub client's
+    offline mode is turned on for this process and the processes it starts (HF_HUB_OFFLINE=1): a hub id in
+    the local cache then loads at once and one that is not fails at once, where the client would retry every
+    request with back-off first (about 23 s per file, then the cache). Asked once per process."""
+    global _HUB_OFFLINE
+    if _HUB_OFFLINE is None:
+        import socket
+        from urllib.parse import urlparse
+
+        from huggingface_hub import constants
+
+        _HUB_OFFLINE = bool(constants.HF_HUB_OFFLINE)
+        if not _HUB_OFFLINE:
+            host = urlparse(constants.ENDPOINT).hostname or ""
+            try:
+                socket.getaddrinfo(host, 443)
+            except OSError as e:
+                log.info(
+                    "the hub's host %s does not resolve (%s): hub ids load from the local cache only", host, e
+                )
+                constants.HF_HUB_OFFLINE = _HUB_OFFLINE = True
+                os.environ["HF_HUB_OFFLINE"] = "1"
+    return _HUB_OFFLINE
+
+
+_HUB_OFFLINE: bool | None = None
+
+
 def _check_hub_id(repo_id: str) -> str:
     from huggingface_hub import hf_hub_download
 
+    offline = offline_without_hub()
     try:
         hf_hub_download(repo_id, "config.json")
     except Exception as e:  # the hub client raises many types (offline, DNS, 401, 404)
+        where = (
+            "found in the local cache (the hub is out of reach: offline)"
+            if offline
+            else ("fetched or found in the local cache")
+        )
         raise OSError(
             f"model.path={repo_id!r} looks like a Hugging Face hub id but its config.json could not "
-            f"be fetched or found in the local cache ({type(e).__name__}: {e}). Without network, "
+            f"be {where} ({type(e).__name__}: {e}). Without network, "
             f"use the embedded model (`+recipe=quickstart`, or `model.path=smollm2-135m`) or a "
             f"local checkpoint directory (`model.path=/path/to/checkpoint`)."
         ) from e

@@ -1,5 +1,6 @@
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -58,8 +59,48 @@ def test_unreachable_hub_id_says_so_and_points_to_offline_choices(monkeypatch):
 
     # Offline mode makes the hub client fail at once instead of retrying for ~25 s.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(OSError, match=r"could not be fetched.*\+recipe=quickstart.*model.path="):
+    with pytest.raises(
+        OSError, match=r"could not be found in the local cache.*offline.*\+recipe=quickstart.*model.path="
+    ):
         resolve_model("nobody-rlkit-test/not-a-model")
+
+
+def test_without_a_resolving_hub_a_hub_id_is_read_from_the_cache_at_once(monkeypatch, tmp_path):
+    """No network (the hub's host does not resolve): the hub client's offline mode is turned on, for this
+    process and its children, so a cached id resolves and an uncached one is refused at once; the client's
+    own retries took ~23 s (5 back-offs of 1-8 s) before either."""
+    import socket
+
+    import huggingface_hub.constants
+
+    from rlkit import models
+
+    asked = []
+
+    def no_dns(host, *a, **kw):
+        asked.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(models, "_HUB_OFFLINE", None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # put back as it was after the test
+    # A hub cache as the client writes it: refs/main names the snapshot holding config.json.
+    repo = tmp_path / "models--owner-rlkit--cached"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text('{"model_type": "llama"}')
+    t0 = time.monotonic()
+    assert resolve_model("owner-rlkit/cached") == ("owner-rlkit/cached", None)
+    with pytest.raises(
+        OSError, match=r"could not be found in the local cache \(the hub is out of reach: offline\)"
+    ):
+        resolve_model("owner-rlkit/not-cached")
+    assert time.monotonic() - t0 < 10  # no back-off: each retry alone sleeps 1-8 s
+    assert asked == ["huggingface.co"]  # asked once per process
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"  # children too
 
 
 def test_tiny_checkpoint_shares_the_real_tokenizer_and_is_seeded(tiny_ckpt, tmp_path):
