@@ -215,8 +215,6 @@ def launch(cfg: RLConfig, num_processes: int, worker=None) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from rlkit.collectives import free_port
-
     with tempfile.TemporaryDirectory(prefix="rlkit-launch-", ignore_cleanup_errors=True) as logs:
         config = LaunchConfig(
             min_nodes=1,
@@ -224,7 +222,10 @@ def launch(cfg: RLConfig, num_processes: int, worker=None) -> None:
             nproc_per_node=num_processes,
             run_id=f"rlkit-{uuid.uuid4().hex[:8]}",
             rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            # Port 0: the rendezvous store binds a port the OS gives it, as torchrun --standalone does. A port
+            # chosen first and bound later could be taken meanwhile, and torch's c10d backend then joins
+            # whatever store listens there as a client.
+            rdzv_endpoint="127.0.0.1:0",
             max_restarts=0,
             monitor_interval=1,
             # When a rank fails, the others get SIGTERM and this long to exit before SIGKILL (a stopped rank

@@ -40,11 +40,19 @@ def test_the_nccl_bridge_carries_the_collective_timeout(monkeypatch):
 def test_the_rollout_world_carries_the_collective_timeout(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
-    worker.join_world(1, 2, torch.device("cpu"), TIMEOUT_S)
-    worker.join_world(0, 1, torch.device("cpu"), TIMEOUT_S)  # one worker: no world
-    assert calls == [
-        (("gloo",), {"rank": 1, "world_size": 2, "timeout": datetime.timedelta(seconds=TIMEOUT_S)})
-    ]
+    held = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # learner rank 0's
+    worker.join_world(1, 2, torch.device("cpu"), TIMEOUT_S, held.port)
+    worker.join_world(0, 1, torch.device("cpu"), TIMEOUT_S, None)  # one worker: no world
+    ((args, kw),) = calls
+    store = kw.pop("store")
+    assert args == ("gloo",) and kw == {
+        "rank": 1,
+        "world_size": 2,
+        "timeout": datetime.timedelta(seconds=TIMEOUT_S),
+    }
+    assert store.port == held.port  # the store bound before the workers started, never a port chosen later
+    store.set("k", "v")
+    assert held.get("k") == b"v"
 
 
 class Proc:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.batch import ScoredBatch
-from rlkit.collectives import StartupGate, broadcast_object, free_port, scatter_object
+from rlkit.collectives import StartupGate, broadcast_object, scatter_object
 from rlkit.config.rules import choice
 from rlkit.config.schema import ConfigError, TrainerConfig, to_dict
 from rlkit.rollout.engines import resolve_engine, torch_dtype
@@ -136,7 +136,12 @@ class AsyncRollouts:
         self.results = ctx.Queue()
         store = dist.TCPStore("127.0.0.1", 0, self.R + 1, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=t.collective_timeout_s))  # fmt: skip
-        ports = {"bridge": store.port, "world": free_port()}
+        # The workers' own world (R > 1) meets on a store held here too, bound before any worker starts: a port
+        # chosen, released and bound later by worker 0 could be taken meanwhile (the workers then joined a
+        # stranger's store and waited).
+        world = dist.TCPStore("127.0.0.1", 0, self.R, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=t.collective_timeout_s)) if self.R > 1 else None  # fmt: skip
+        ports = {"bridge": store.port, "world": world.port if world is not None else None}
         gpus = [None] * self.R
         if self.device.type == "cuda":  # the last R visible GPUs; the learner ranks hold the first ones
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -161,7 +166,7 @@ class AsyncRollouts:
         while len(self.ready) < self.R:  # errors and deaths while loading surface here
             self._receive()
         self.pg = bridge(store, 0, self.R + 1, self.backend, t.collective_timeout_s)
-        self._store = store
+        self._store, self._world_store = store, world
 
     def close(self) -> None:
         """Stop the workers (after the last checkpoint); kill one that does not exit."""

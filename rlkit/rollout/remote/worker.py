@@ -61,21 +61,24 @@ def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
     for key in list(os.environ):
         if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
             del os.environ[key]
-    os.environ.update(
-        RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]),
-    )  # fmt: skip
+    os.environ.update(RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R))
+    if (
+        ports["world"] is not None
+    ):  # R > 1: the world's store (`join_world`); one worker's engine picks its own
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         os.environ["LOCAL_RANK"] = "0"
 
 
-def join_world(r: int, R: int, device, timeout_s: float) -> None:
-    """Rank `r` of the rollout world of `R` workers (no group for one), its collectives bounded by
-    trainer.collective_timeout_s like the learner's."""
+def join_world(r: int, R: int, device, timeout_s: float, port: int | None) -> None:
+    """Rank `r` of the rollout world of `R` workers (no group for one), met on learner rank 0's store at
+    `port`, its collectives bounded by trainer.collective_timeout_s like the learner's."""
     if R > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=r, world_size=R, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=r, world_size=R, timeout=timeout)
 
 
 def worker_rollouts(cfg, r: int, R: int, device) -> LocalRollouts:
@@ -111,7 +114,7 @@ def worker_main(cfg_dict: dict, r: int, R: int, ports: dict, ctrl, results, erro
         # The learner checked the whole config for its ranks (and the batch split over R workers).
         cfg = parse(cfg_dict)
         device = torch.device("cuda", 0) if start["gpu"] is not None else torch.device("cpu")
-        join_world(r, R, device, cfg.trainer.collective_timeout_s)
+        join_world(r, R, device, cfg.trainer.collective_timeout_s, ports["world"])
         with gcpolicy.setup_phase():  # the engine's imports and build without automatic collections
             rollouts = worker_rollouts(cfg, r, R, device)
         rollouts.order.position = start["position"]
