@@ -70,29 +70,43 @@ def grads(learner) -> dict[str, torch.Tensor | None]:
     return out
 
 
-def _worker(rank, world, port, path, out_dir, pack):
+LAYOUTS = {"padded": False, "packed": True}
+
+
+def _worker(rank, world, port, path, out_dir):
+    """Both layouts in one launch (one process group, a learner each): rank{rank}-{layout}.pt."""
     from rlkit.learner import Learner
 
     init_worker_env(rank, world, port)
     _, ps = prompts(path)
     batch = train_batch(ps)
-    learner = Learner(cfg(path, "fsdp2", pack))
-    assert learner.accelerator.is_fsdp2 and learner.world_size == 2 and learner.packed is pack
     mine = batch.select([rank * 2, rank * 2 + 1])
-    logp = learner.forward(mine).logprobs
-    learner.accumulate_gradients(mine)
-    torch.save({"logp": logp, "grads": grads(learner)}, f"{out_dir}/rank{rank}.pt")
+    for layout, pack in LAYOUTS.items():
+        learner = Learner(cfg(path, "fsdp2", pack))
+        assert learner.accelerator.is_fsdp2 and learner.world_size == 2 and learner.packed is pack
+        logp = learner.forward(mine).logprobs
+        learner.accumulate_gradients(mine)
+        torch.save({"logp": logp, "grads": grads(learner)}, f"{out_dir}/rank{rank}-{layout}.pt")
+        del learner
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
-def test_fsdp2_over_a_vl_model(tmp_path, pack):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The tiny Qwen2.5-VL and its 2-rank FSDP2 launch: (path, out dir)."""
+    root = tmp_path_factory.mktemp("vl_fsdp2")
+    path = build_vl_family("qwen2.5-vl", root / "qwen25vl")
+    spawn_ranks(_worker, path, str(root))
+    return path, root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fsdp2_over_a_vl_model(launched, layout):
     from rlkit.learner import Learner
     from rlkit.models import load_causal_lm
 
-    path = build_vl_family("qwen2.5-vl", tmp_path / "qwen25vl")
-    spawn_ranks(_worker, path, str(tmp_path), pack)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    path, root = launched
+    ranks = [torch.load(root / f"rank{r}-{layout}.pt", weights_only=False) for r in range(2)]
     processor, ps = prompts(path)
     batch = train_batch(ps)
     model = load_causal_lm(path, vision=True)

@@ -96,18 +96,30 @@ def part(name: str) -> str:
     return "connector" if ".connector." in f".{name}" else "language"
 
 
-@pytest.mark.parametrize("freeze_vision", [True, False])
-def test_sft_on_images_trains_only_the_vision_side(family, data, tmp_path, freeze_vision):
-    folder, rows = data
-    run_dir = tmp_path / "run"
-    cfg = sft.load_config(
-        compose(
-            overrides(
-                family, folder, run_dir, "model.freeze_language=true", f"model.freeze_vision={freeze_vision}"
+@pytest.fixture(scope="module")
+def sft_run(family, data, tmp_path_factory):
+    """`freeze_vision` -> (history, run dir) of a 3-step SFT run with model.freeze_language=true, run once on
+    first use (the RL test starts from the default's, model.freeze_vision=true)."""
+    done = {}
+
+    def run(freeze_vision: bool):
+        if freeze_vision not in done:
+            folder, _ = data
+            run_dir = tmp_path_factory.mktemp(f"sft-freeze-vision-{freeze_vision}") / "run"
+            extra = ("model.freeze_language=true", f"model.freeze_vision={freeze_vision}")
+            done[freeze_vision] = (
+                sft.run(sft.load_config(compose(overrides(family, folder, run_dir, *extra)))),
+                run_dir,
             )
-        )
-    )
-    history = sft.run(cfg)
+        return done[freeze_vision]
+
+    return run
+
+
+@pytest.mark.parametrize("freeze_vision", [True, False])
+def test_sft_on_images_trains_only_the_vision_side(family, data, sft_run, freeze_vision):
+    _, rows = data
+    history, run_dir = sft_run(freeze_vision)
     assert len(history) == 3
     # step 1 sees all 8 rows at the initial weights: its token-mean loss is the whole set's
     assert history[0]["loss"] == pytest.approx(expected_first_loss(family, rows), rel=1e-5)
@@ -124,11 +136,9 @@ def test_sft_on_images_trains_only_the_vision_side(family, data, tmp_path, freez
     assert changed == {"connector", "tower"} - frozen
 
 
-def test_rl_starts_from_the_sft_checkpoint(family, data, tmp_path):
+def test_rl_starts_from_the_sft_checkpoint(data, sft_run, tmp_path):
     folder, _ = data
-    run_dir = tmp_path / "sft"
-    sft.run(sft.load_config(compose(overrides(family, folder, run_dir, "model.freeze_language=true"))))
-    saved = run_dir / "checkpoints" / "step_3" / "model"
+    saved = sft_run(True)[1] / "checkpoints" / "step_3" / "model"
     rl = tmp_path / "rl"
     run_args(
         [
