@@ -12,6 +12,9 @@ learner, the rollout engines and the tests:
 - a local `.gguf` file: loaded through transformers' `gguf_file=`.
 - anything else is taken for a Hugging Face hub id; if it cannot be reached (no network, no
   cache) the error says so and points to the offline choices.
+
+A model folder's files are read through rlkit.model_files; what a vision-language model needs beyond a text
+model (its processor, its forward's image arguments, its vision tower) is in rlkit.vision.
 """
 
 from __future__ import annotations
@@ -24,15 +27,14 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 
 import torch
 
 from rlkit import vlmodels
+from rlkit.model_files import read_regular, regular_file, tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -237,141 +239,6 @@ first."""
 _PARSED_MAX = 4
 _HASHED_MAX = 256 << 20
 
-# -- the files of a model folder -------------------------------------------------------------------------
-# Only the files a tokenizer or a model reads are keyed and read, and only as regular files of a bounded size
-# (following links: the hub's cache links every file to a blob): a link to /dev/zero would be read until
-# memory ran out, a named pipe would block start-up forever.
-
-TOKENIZER_FILES = frozenset({
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "vocab.txt", "chat_template.json", "config.json", "generation_config.json",
-})  # fmt: skip
-TOKENIZER_SUFFIXES = (
-    ".jinja",
-    ".model",
-    ".tiktoken",
-)  # chat templates, sentencepiece and tiktoken vocabularies
-TEMPLATE_DIRS = ("additional_chat_templates",)
-FILE_MAX = 1 << 30
-"""A tokenizer or config file larger than this is refused (the largest tokenizer.json known is ~35 MB)."""
-HEADER_MAX = 100 << 20  # safetensors' own limit on a header
-LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
-
-
-class ModelFolderError(ValueError):
-    """A file of a model folder that rlkit does not read (not a regular file, too large, not what its name
-    says), or a config.json that disagrees with the weights; the message names the file or the key."""
-
-
-def regular_file(path: Path, limit: int | None = -1) -> os.stat_result:
-    """`path`'s stat (through links) when it is a regular file of at most `limit` bytes (-1: FILE_MAX; None: any
-    size), else ModelFolderError."""
-    limit = FILE_MAX if limit == -1 else limit
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise ModelFolderError(f"{path} cannot be read ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = (
-            "a named pipe"
-            if stat.S_ISFIFO(st.st_mode)
-            else "a device"
-            if stat.S_ISCHR(st.st_mode)
-            else "not a file"
-        )
-        raise ModelFolderError(
-            f"{path} is {kind}{f' (a link to {os.path.realpath(path)})' if path.is_symlink() else ''}, not a "
-            "regular file: rlkit reads only regular files from a model folder"
-        )
-    if limit is not None and st.st_size > limit:
-        raise ModelFolderError(
-            f"{path} has {st.st_size} bytes, more than the {limit} a tokenizer or config file may"
-        )
-    return st
-
-
-def read_regular(path: Path, limit: int = -1) -> bytes:
-    """The bytes of the regular file `path` (`regular_file`), at most `limit` (-1: FILE_MAX)."""
-    limit = FILE_MAX if limit == -1 else limit
-    regular_file(path, limit)
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ModelFolderError(f"{path} grew past {limit} bytes while read")
-    return data
-
-
-def tokenizer_files(folder: Path) -> list[Path]:
-    """The files of `folder` a tokenizer reads (TOKENIZER_FILES, TOKENIZER_SUFFIXES, TEMPLATE_DIRS), sorted."""
-    files = [f for f in folder.iterdir() if f.name in TOKENIZER_FILES or f.name.endswith(TOKENIZER_SUFFIXES)]
-    for sub in TEMPLATE_DIRS:
-        if (folder / sub).is_dir():
-            files += [f for f in (folder / sub).iterdir() if f.name.endswith(".jinja")]
-    return sorted(files)
-
-
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """The tensor shapes a safetensors file's header gives (nothing else is read); ModelFolderError naming the
-    file when it is not a safetensors file."""
-    size = regular_file(path, None).st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(HEADER_MAX, size - 8):
-            raise ModelFolderError(
-                f"{path} is not a safetensors file (its first 8 bytes give a header of {n} bytes; the file has {size})"
-            )
-        try:
-            header = json.loads(f.read(n))
-            return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ModelFolderError(
-                f"{path} is not a safetensors file (its header does not parse: {e})"
-            ) from None
-
-
-def check_sizes(config: dict, shapes: dict[str, list[int]], folder: Path) -> None:
-    """config.json's sizes against the weights' shapes (safetensors headers): the number of layers, and the
-    embedding's rows and width; a mismatch is a ModelFolderError naming the key and both numbers (a config
-    with absurd sizes would otherwise build for minutes before the load failed)."""
-    layers = {int(m.group(1)) for name in shapes if (m := LAYER_RE.search(name))}
-    n = config.get("num_hidden_layers")
-    if layers and isinstance(n, int) and n != max(layers) + 1:
-        raise ModelFolderError(
-            f"{folder / 'config.json'}: num_hidden_layers={n}, but the weights hold {max(layers) + 1} layers"
-        )
-    embed = next((s for k, s in shapes.items() if k.endswith(("embed_tokens.weight", "wte.weight"))), None)
-    if embed is not None and len(embed) == 2:
-        for key, got in (("vocab_size", embed[0]), ("hidden_size", embed[1])):
-            if isinstance(config.get(key), int) and config[key] != got:
-                raise ModelFolderError(
-                    f"{folder / 'config.json'}: {key}={config[key]}, but the weights' embedding has {got}"
-                )
-
-
-def check_model_folder(path: str | os.PathLike) -> None:
-    """Before a model of `path` loads (a local folder; hub ids and GGUF files are left to their loaders): its
-    tokenizer and config files are regular files of a bounded size, config.json parses, every *.safetensors
-    is a safetensors file, and config.json's sizes agree with the weights' shapes. ModelFolderError names
-    the file or key."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        return
-    for f in tokenizer_files(folder):
-        regular_file(f)
-    config = {}
-    if (folder / "config.json").exists() or (folder / "config.json").is_symlink():
-        try:
-            config = json.loads(read_regular(folder / "config.json"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ModelFolderError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        shapes.update(safetensors_shapes(f))
-    if isinstance(config, dict):
-        check_sizes(config, shapes, folder)
-
-
 _NOT_READ = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
 
 
@@ -526,88 +393,6 @@ def is_vision_language(path: str | os.PathLike) -> bool:
     return json.loads(read_regular(config)).get("vision_config") is not None
 
 
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
-def images_problem(path: str | os.PathLike) -> str | None:
-    """Why the checkpoint at `path` cannot take images, as the end of a sentence ("is a text-only model ...",
-    "is a vision-language checkpoint without a processor ..."), or None: it can, or its config cannot be read
-    now (a hub id out of reach: the model's own load says so)."""
-    try:
-        vision = is_vision_language(path)
-    except OSError:
-        return None
-    if not vision:
-        return "is a text-only model (its config has no vision_config): use a vision-language checkpoint"
-    folder = Path(resolve_model(path)[0])
-    if folder.is_dir() and not any((folder / f).is_file() for f in PROCESSOR_FILES):
-        return (
-            f"is a vision-language checkpoint without a processor (none of {list(PROCESSOR_FILES)}): save its "
-            "AutoProcessor beside it"
-        )
-    return None
-
-
-def load_processor(path: str | os.PathLike):
-    """The `AutoProcessor` of a vision-language checkpoint, its tokenizer set up as `load_tokenizer`'s.
-
-    A checkpoint without a processor is an error naming `model.path`. Without torchvision, transformers cannot
-    build the video half of some processors (Qwen's); rlkit gives no videos, so the processor is then built
-    from its image processor and tokenizer alone (`video_processor=None`)."""
-    from transformers import AutoImageProcessor, AutoProcessor
-
-    directory, _ = resolve_model(path)
-    local = Path(directory)
-    if local.is_dir() and not any((local / f).is_file() for f in PROCESSOR_FILES):
-        raise ValueError(
-            f"model.path={str(path)!r} is a vision-language checkpoint without a processor (none of "
-            f"{list(PROCESSOR_FILES)} in the folder): save the model's AutoProcessor beside it "
-            "(AutoProcessor.from_pretrained(base).save_pretrained(path))"
-        )
-    tokenizer = load_tokenizer(path)
-    try:
-        processor = AutoProcessor.from_pretrained(directory, tokenizer=tokenizer)
-    except ImportError as e:
-        if "torchvision" not in str(e).lower():
-            raise
-        processor = _images_only_processor(
-            directory, tokenizer, AutoImageProcessor.from_pretrained(directory)
-        )
-    processor.tokenizer = tokenizer
-    if not getattr(processor, "chat_template", None):
-        processor.chat_template = tokenizer.chat_template
-    return processor
-
-
-def _images_only_processor(directory: str, tokenizer, image_processor):
-    """The checkpoint's processor class built with `video_processor=None` (see `load_processor`)."""
-    from transformers.models.auto.processing_auto import processor_class_from_name
-
-    folder = Path(directory)
-    names = [
-        json.loads(read_regular(folder / f)).get("processor_class")
-        for f in PROCESSOR_FILES
-        if (folder / f).is_file()
-    ]
-    name = next(n for n in names if n)
-    cls = processor_class_from_name(name)
-
-    class ImagesOnly(cls):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument is not None:
-                return super().check_argument_for_proper_class(argument_name, argument)
-
-    ImagesOnly.__name__ = cls.__name__
-    template = folder / "chat_template.jinja"
-    chat_template = read_regular(template).decode() if template.is_file() else tokenizer.chat_template
-    return ImagesOnly(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=None,
-        chat_template=chat_template,
-    )
-
-
 def load_value_model(path: str):
     """The PPO critic (algo.value_model): backbone + Linear(hidden, 1) head, transformers' token-classification
     model with one label."""
@@ -710,111 +495,3 @@ def stateful_layers(config) -> list[str]:
 
     text = config.get_text_config(decoder=True)
     return sorted({t for t in get_layer_types_and_kwargs(text)[0] if t in STATEFUL_LAYER_TYPES})
-
-
-def image_kwargs(model, images, input_ids: torch.Tensor) -> dict:
-    """The keyword arguments a vision-language `model`'s forward takes for rows `input_ids` [B, L] whose images
-    are `images` (one rlkit.batch.Images or None per row, in row order): each processor tensor concatenated over
-    the rows that have images (the placeholders of `input_ids` take the image features in that order) and, where
-    the forward reads them, the token types (1 at image tokens: Qwen's 3D rotary positions are computed from
-    them and the grid sizes; Gemma 3 attends both ways inside an image). {} when no row has an image."""
-    import inspect
-
-    present = [x for x in images if x is not None] if images is not None else []
-    if not present:
-        return {}
-    device = input_ids.device
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base
-    kwargs = {k: v.to(device) for k, v in join_image_tensors([x.tensors for x in present]).items()}
-    config = model.config
-    image_token = getattr(config, "image_token_id", None)
-    if image_token is None:
-        image_token = getattr(config, "image_token_index", None)
-    forward = inspect.signature(type(model).forward).parameters
-    if image_token is not None and "mm_token_type_ids" in forward:
-        kwargs["mm_token_type_ids"] = (input_ids == image_token).int()
-    elif image_token is not None and "token_type_ids" in forward:  # Gemma 3: attention within an image
-        kwargs["token_type_ids"] = (input_ids == image_token).long()
-    return kwargs
-
-
-def join_image_tensors(parts: list[dict]) -> dict:
-    """The processor tensors of several prompts' (or one sequence's several processor calls') images as one call
-    would give them, in order: Idefics3 / SmolVLM's [1, images, ...] joined along the images (`_cat_images`); per
-    image (Gemma 3) or per patch (Qwen) along the first dimension."""
-    if "pixel_attention_mask" in parts[0]:
-        return {k: _cat_images([p[k] for p in parts]) for k in parts[0]}
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-
-def _cat_images(parts: list[torch.Tensor]) -> torch.Tensor:
-    """[1, n_i, ..., H_i, W_i] tensors -> [1, sum n_i, ..., max H, max W], zero-padded at the bottom and right
-    (as the processor pads the images of one call: the pixel mask marks the real pixels; the model matches
-    image features to image tokens in order, whatever row they sit in)."""
-    h = max(p.shape[-2] for p in parts)
-    w = max(p.shape[-1] for p in parts)
-    padded = [torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in parts]
-    return torch.cat(padded, 1)
-
-
-def has_3d_positions(model) -> bool:
-    """Whether `model` (or a peft model's base) computes 3D rotary positions from its images (Qwen's VL models):
-    given images, it is then given no position ids."""
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return hasattr(getattr(model, "model", None), "get_rope_index")
-
-
-def rope_deltas(model) -> torch.Tensor | None:
-    """[B, 1] the 3D rotary position offset of each row of `model`'s last prefill (Qwen's VL models: the next
-    text position is the row's length + delta), or None for a model without 3D positions."""
-    inner = getattr(model, "model", None)
-    return getattr(inner, "rope_deltas", None) if hasattr(inner, "get_rope_index") else None
-
-
-VISION_TOWERS = ("visual", "vision_tower", "vision_model")
-"""The attribute of a VL model's inner model that holds its vision encoder: Qwen's VL models (`visual`, with its
-merger), Gemma 3 and LLaVA (`vision_tower`), Idefics3 / SmolVLM (`vision_model`)."""
-
-
-def vision_tower(model) -> torch.nn.Module | None:
-    """The vision encoder of a vision-language `model`, or None (a text model)."""
-    inner = getattr(model, "model", model)
-    return next(
-        (getattr(inner, a) for a in VISION_TOWERS if isinstance(getattr(inner, a, None), torch.nn.Module)),
-        None,
-    )
-
-
-def freeze_vision_tower(model) -> int:
-    """Freeze `model`'s vision encoder (`model.freeze_vision`); returns how many parameters it holds."""
-    tower = vision_tower(model)
-    if tower is None:
-        raise ValueError(f"{type(model).__name__} has no vision tower (none of {list(VISION_TOWERS)})")
-    tower.requires_grad_(False)
-    return sum(p.numel() for p in tower.parameters())
-
-
-def freeze_language_model(model) -> int:
-    """Freeze `model`'s language model: its decoder, input embeddings and output head (`model.freeze_language`),
-    leaving the vision tower and the projector as they are; returns how many parameters it holds."""
-    if vision_tower(model) is None:
-        raise ValueError(f"{type(model).__name__} has no vision tower (none of {list(VISION_TOWERS)})")
-    parts = {
-        id(m): m for m in (model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings())
-    }
-    params = {id(p): p for m in parts.values() if m is not None for p in m.parameters()}
-    for p in params.values():
-        p.requires_grad_(False)
-    return sum(p.numel() for p in params.values())
-
-
-def copy_processor(path: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
-    """Copy the processor's files of the checkpoint at `path` (a local folder) into `directory` (a checkpoint's
-    model folder written by a run with images), so that the checkpoint loads with its processor; returns the
-    names copied."""
-    source = Path(resolve_model(path)[0])
-    names = [*PROCESSOR_FILES, "chat_template.jinja", "chat_template.json"]
-    copied = [n for n in names if (source / n).is_file()]
-    for name in copied:
-        shutil.copyfile(source / name, Path(directory) / name)
-    return copied

@@ -46,9 +46,10 @@ from rlkit.data.prompts import PromptOrder
 from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
-from rlkit.models import load_processor, load_tokenizer
+from rlkit.models import load_tokenizer
 from rlkit.rollout.local import LocalRollouts
 from rlkit.train import default_num_processes, launch, one_run_dir
+from rlkit.vision import load_processor
 
 __all__ = ["SFTRun", "load_config", "main", "run"]
 

@@ -40,7 +40,7 @@ from rlkit.learner import Learner
 from rlkit.learner.strategy import make_accelerator
 from rlkit.logging import MetricsLogger
 from rlkit.metrics import run_summary, to_host, without_absent_tasks
-from rlkit.models import copy_processor, load_tokenizer, model_shape
+from rlkit.models import load_tokenizer, model_shape
 from rlkit.plots import plot_finished_run
 from rlkit.rollout.local import LocalRollouts
 from rlkit.rollout.protocol import Rollouts
@@ -48,6 +48,7 @@ from rlkit.rollout.remote.client import AsyncRollouts
 from rlkit.rollout.samples import eval_rows, train_rows
 from rlkit.sync import WeightSync
 from rlkit.timing import Timers, peak_memory_gb
+from rlkit.vision import copy_processor
 from rlkit.weights import WeightSyncError
 
 log = logging.getLogger(__name__)

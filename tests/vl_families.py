@@ -11,7 +11,7 @@ name, as model_families.py is).
 
 The processor's files are written one by one (not `processor.save_pretrained`): without torchvision (this
 project's CPU environment) transformers cannot build the Qwen processors' video half, so a processor object
-cannot be built or saved as a whole here; `rlkit.models.load_processor` reads the folder back either way."""
+cannot be built or saved as a whole here; `rlkit.vision.load_processor` reads the folder back either way."""
 
 from __future__ import annotations
 

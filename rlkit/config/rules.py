@@ -28,7 +28,7 @@ from rlkit.algos import advantages, correction, kl, losses
 from rlkit.config.derived import derive
 from rlkit.config.schema import ConfigError, RLConfig
 from rlkit.logging import BACKENDS
-from rlkit.models import ModelFolderError, check_model_folder
+from rlkit.model_files import ModelFolderError, check_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ def local_path_exists(key: str, path: str | None) -> None:
 
 def model_folder_ok(key: str, path: str | None) -> None:
     """A local model folder's tokenizer and config files are regular files of a bounded size, its weights
-    safetensors files whose shapes agree with config.json (rlkit.models.check_model_folder); ConfigError
+    safetensors files whose shapes agree with config.json (rlkit.model_files.check_model_folder); ConfigError
     naming `key`, the file and, for a size, the config key."""
     if not path:
         return

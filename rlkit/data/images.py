@@ -15,7 +15,7 @@ import torch
 from rlkit.batch import Images
 from rlkit.config.schema import DataConfig
 from rlkit.data.decoding import ImageError, open_picture
-from rlkit.models import join_image_tensors
+from rlkit.vision import join_image_tensors
 
 PLACEHOLDER = "<image>"
 """Where a question places its images; a question without one gets its images before the text."""
@@ -116,7 +116,7 @@ def expand(processor, text: str, pictures: list) -> tuple[list[int], Images]:
 def join_images(first: Images | None, then: Images) -> Images:
     """The Images of a sequence holding `first`'s pictures, then `then`'s (an episode whose environment showed
     pictures): the pictures in order, each processor tensor joined as the model's forward takes several prompts'
-    (`rlkit.models.join_image_tensors`), the digest over all the pictures."""
+    (`rlkit.vision.join_image_tensors`), the digest over all the pictures."""
     if first is None:
         return then
     pictures = (*first.pictures, *then.pictures)

@@ -420,7 +420,7 @@ def check_images(cfg) -> None:
     path = getattr(getattr(cfg, "model", None), "path", None)
     if not path:
         return
-    from rlkit.models import images_problem  # defers torch
+    from rlkit.vision import images_problem  # defers torch
 
     problem = images_problem(path)
     if problem is not None:

@@ -106,7 +106,7 @@ def check_env_images(cfg) -> None:
     takes them (raises ValueError naming the keys)."""
     if not shows_images(cfg.env):
         return
-    from rlkit.models import images_problem  # defers torch
+    from rlkit.vision import images_problem  # defers torch
 
     where = f"env.name={cfg.env.name!r} shows images in its observations"
     problem = images_problem(cfg.model.path)

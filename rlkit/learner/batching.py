@@ -14,7 +14,8 @@ from torch import Tensor
 from rlkit.batch import Sequences, TrainBatch
 from rlkit.collectives import all_reduce
 from rlkit.learner.positions import packed_positions
-from rlkit.models import has_3d_positions, stateful_layers
+from rlkit.models import stateful_layers
+from rlkit.vision import has_3d_positions
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class Inputs:
     """[rows, columns, L, k]: the engine's expert choices at every input position (routing replay), or None."""
     images: tuple | None = None
     """Each row's rlkit.batch.Images or None, in row order (packed: the order of the rows in the sequence), or None
-    when no row has any: `rlkit.models.image_kwargs` of the forward."""
+    when no row has any: `rlkit.vision.image_kwargs` of the forward."""
     lengths: tuple[int, ...] | None = None
     """Packed layout: each row's length in the sequence, in order (Qwen VL's 3D positions are computed per row,
     `rlkit.learner.positions`); None for the padded layout."""

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlkit.learner.positions import packed_positions
 from rlkit.learner.routing import set_routes
-from rlkit.models import has_3d_positions, image_kwargs
+from rlkit.vision import has_3d_positions, image_kwargs
 
 # FSDP2 warns, once per process, when a wrapped module's output holds a view (an in-place op on it would skip the
 # module's pre-backward hook). With `output_hidden_states` (the chunked head below) the embedding's output,

@@ -35,6 +35,7 @@ from pathlib import Path
 from rlkit.config.schema import ConfigError
 from rlkit.data import reasoning_gym
 from rlkit.lookup import lookup
+from rlkit.model_files import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -408,11 +409,10 @@ def check_config(cfg) -> None:
 
 def _check_reward_model(path: str) -> None:
     """reward.model's folder before any model loads (before: after the policy loaded): its files
-    (rlkit.models.check_model_folder) and a config.json of a sequence-classification model with one output."""
+    (rlkit.model_files.check_model_folder) and a config.json of a sequence-classification model with one output."""
     import json
 
     from rlkit.config.rules import model_folder_ok
-    from rlkit.models import read_regular
 
     model_folder_ok("reward.model", path)
     config_file = Path(path).expanduser() / "config.json"

@@ -16,7 +16,6 @@ from rlkit.batch import ScoredBatch
 from rlkit.data.loading import load_splits
 from rlkit.data.prompts import PromptOrder, build_prompts
 from rlkit.envs import takes_images
-from rlkit.models import load_processor
 from rlkit.rewards import RewardScorer
 from rlkit.rewards.model import RewardModel
 from rlkit.rollout.engines import make_engine
@@ -30,6 +29,7 @@ from rlkit.rollout.evaluation import (
 )
 from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
+from rlkit.vision import load_processor
 from rlkit.weights import (
     Export,
     check_engine,

@@ -34,12 +34,13 @@ from rlkit.data.loading import load_splits
 from rlkit.data.prompts import prompt_messages
 from rlkit.envs import picture_rule, shows_images
 from rlkit.envs.workers import limits_of
-from rlkit.models import load_processor, load_tokenizer
+from rlkit.models import load_tokenizer
 from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.episodes import check_multiturn_template, run_episodes
 from rlkit.rollout.failures import FailureWatch
 from rlkit.rollout.observations import check_picture_template
 from rlkit.rollout.scored import concat_rollouts, take_groups
+from rlkit.vision import load_processor
 
 log = logging.getLogger(__name__)
 

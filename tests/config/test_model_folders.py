@@ -13,7 +13,8 @@ import pytest
 from cfg_helpers import as_in_cpu_ci
 
 from rlkit.config.schema import ConfigError
-from rlkit.models import ModelFolderError, check_model_folder, load_tokenizer
+from rlkit.model_files import ModelFolderError, check_model_folder
+from rlkit.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,9 @@ def test_a_tokenizer_file_that_is_a_device_or_a_pipe_is_refused_naming_it(folder
 
 
 def test_an_oversized_config_file_is_refused_naming_it(folder, monkeypatch):
-    import rlkit.models
+    import rlkit.model_files
 
-    monkeypatch.setattr(rlkit.models, "FILE_MAX", 100)
+    monkeypatch.setattr(rlkit.model_files, "FILE_MAX", 100)
     with pytest.raises(
         ModelFolderError,
         match=r"(chat_template.jinja|config.json) has \d+ bytes, more than the 100 a tokenizer or config file may",

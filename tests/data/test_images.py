@@ -11,7 +11,7 @@ from vl_families import build_vl_family, picture
 from rlkit.config.schema import DataConfig
 from rlkit.data.images import ImageError, digest
 from rlkit.data.prompts import build_prompts
-from rlkit.models import load_processor
+from rlkit.vision import load_processor
 
 
 @pytest.fixture(scope="module")

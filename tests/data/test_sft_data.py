@@ -191,7 +191,7 @@ def vl_processor(tmp_path_factory):
     """The tiny Idefics3 / SmolVLM processor of tests/vl_families.py (4 image tokens per 32-pixel picture)."""
     from vl_families import build_vl_family
 
-    from rlkit.models import load_processor
+    from rlkit.vision import load_processor
 
     return load_processor(build_vl_family("smolvlm", tmp_path_factory.mktemp("smolvlm") / "ckpt"))
 

@@ -16,9 +16,9 @@ from rlkit_test_image_envs import png
 from vl_families import build_vl_family, picture
 
 from rlkit.envs.images import PictureRule
-from rlkit.models import load_processor
 from rlkit.rollout.engines.base import Sampling, rows_to_batch
 from rlkit.rollout.episodes import run_episodes
+from rlkit.vision import load_processor
 
 pytestmark = pytest.mark.slow  # environment worker processes, a model's generation and a learner
 

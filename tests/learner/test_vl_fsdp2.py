@@ -16,7 +16,7 @@ from vl_families import build_vl_family, logprobs_alone, picture
 from rlkit.batch import TrainBatch
 from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
-from rlkit.models import load_processor
+from rlkit.vision import load_processor
 
 pytestmark = pytest.mark.slow  # FSDP2 in 2 processes
 

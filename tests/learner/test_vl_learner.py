@@ -17,7 +17,8 @@ from rlkit.batch import Sequences
 from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
 from rlkit.learner import Learner
-from rlkit.models import load_causal_lm, load_processor
+from rlkit.models import load_causal_lm
+from rlkit.vision import load_processor
 
 
 @pytest.fixture(scope="module", params=family_params())

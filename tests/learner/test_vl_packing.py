@@ -19,7 +19,8 @@ from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
 from rlkit.learner.batching import microbatches, model_inputs, packing
 from rlkit.learner.logprobs import score
-from rlkit.models import load_causal_lm, load_processor, stateful_layers
+from rlkit.models import load_causal_lm, stateful_layers
+from rlkit.vision import load_processor
 
 RESPONSES = [[17, 18, 19, 20, 21], [22, 23, 24], [25, 26, 27, 28, 29, 30], [31, 32, 33, 34]]
 

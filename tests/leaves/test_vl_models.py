@@ -7,7 +7,8 @@ import pytest
 import torch
 from vl_families import build_vl_family, family_params, picture
 
-from rlkit.models import is_vision_language, load_causal_lm, load_processor
+from rlkit.models import is_vision_language, load_causal_lm
+from rlkit.vision import load_processor
 
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
 

@@ -9,9 +9,10 @@ from vl_families import build_vl_family, family_params, logprobs_alone, picture
 
 from rlkit.config.schema import DataConfig
 from rlkit.data.prompts import build_prompts
-from rlkit.models import load_causal_lm, load_processor
+from rlkit.models import load_causal_lm
 from rlkit.rollout.engines.base import Sampling
 from rlkit.rollout.engines.hf import HFEngine
+from rlkit.vision import load_processor
 
 
 @pytest.fixture(scope="module", params=family_params())

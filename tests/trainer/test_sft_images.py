@@ -13,8 +13,8 @@ from vl_families import build_vl_family, picture
 
 from rlkit import sft
 from rlkit.config.schema import ConfigError
-from rlkit.models import load_processor
 from rlkit.train import compose
+from rlkit.vision import load_processor
 
 pytestmark = pytest.mark.slow  # whole SFT runs
 

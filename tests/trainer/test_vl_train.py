@@ -10,8 +10,9 @@ from run_helpers import read_jsonl, run_args
 from vl_families import VL_FAMILIES, build_vl_family, picture
 
 from rlkit.eval import main_from_config
-from rlkit.models import is_vision_language, load_processor
+from rlkit.models import is_vision_language
 from rlkit.train import compose
+from rlkit.vision import load_processor
 
 pytestmark = pytest.mark.slow  # trainer runs
 

@@ -23,15 +23,9 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from rlkit.batch import Images, RolloutBatch
 from rlkit.digests import tensor_digest, to_host
-from rlkit.models import (
-    has_3d_positions,
-    image_kwargs,
-    load_causal_lm,
-    load_tokenizer,
-    rope_deltas,
-    stateful_layers,
-)
+from rlkit.models import load_causal_lm, load_tokenizer, stateful_layers
 from rlkit.rollout.engines.base import Sampling, check_generate_args, record_throughput, rows_to_batch
+from rlkit.vision import has_3d_positions, image_kwargs, rope_deltas
 from rlkit.weights import PushGuard, check_manifest, module_manifest
 
 log = logging.getLogger(__name__)
@@ -158,7 +152,7 @@ class HFEngine:
     ) -> list[tuple[list[int], list[float], str]]:
         """One forward batch: prefill B prompts, repeat the cache n times, decode token by token.
 
-        With images, the prefill takes their tensors (`rlkit.models.image_kwargs`) and a model with 3D rotary
+        With images, the prefill takes their tensors (`rlkit.vision.image_kwargs`) and a model with 3D rotary
         positions (Qwen's VL models) computes the prompt's positions itself, from the attention mask; each
         decoded token then sits at the row's length + the model's offset for it (`rope_deltas`), on all three
         axes, as the model's own generate places it."""
