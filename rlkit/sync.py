@@ -19,14 +19,14 @@ loop, with the order that matters:
 
 Three checks, because each misses what another catches; the first two run where the engine lives (in this
 process: rlkit/rollout/local.py; in each async rollout worker, against what the learner sends with the push):
-- the digests (rlkit.weights.check_engine) compare bytes: a push that delivered nothing, dropped a tensor or
+- the digests (rlkit.verify.check_engine) compare bytes: a push that delivered nothing, dropped a tensor or
   left one stale fails at once, whatever the learning rate (an engine that repacks its tensors, vLLM, is
   checked by change: unchanged weights must leave every digest as it was, changed ones must change it);
 - the log-prob probe compares the engine's log-probs with the learner's after every push, within a bound tied
-  to the compute dtype (rlkit.weights.probe_bound): it catches an engine that holds the right bytes but computes
+  to the compute dtype (rlkit.verify.probe_bound): it catches an engine that holds the right bytes but computes
   something else (a kernel-format step skipped after a reload), and at start-up a model family whose engine
   forward differs (refused unless rollout.accept_engine_gap covers it). At start-up, before an evaluation, and in
-  async workers it runs on fixed tokens (rlkit.weights.probe_tokens, `check_engine_probe`); a colocated push
+  async workers it runs on fixed tokens (rlkit.verify.probe_tokens, `check_engine_probe`); a colocated push
   that the next batch trains on is probed by that batch: its sampled log-probs against the learner's, which the
   step computes anyway (`mismatch/logprob_abs_diff`, checked by `check_batch`), so it costs no forward;
 - `check_batch` also reads mismatch/kl of the first two batches after `start` (before and after the first
@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from rlkit.rollout.protocol import Rollouts
-from rlkit.weights import Export, WeightSyncError, check_probe
+from rlkit.verify import check_probe
+from rlkit.weights import Export, WeightSyncError
 
 SYNC_KL_FP32 = 0.05
 """rollout.weight_sync_kl_threshold when it is null and the learner and the engine both compute in fp32

@@ -34,7 +34,8 @@ def main() -> None:
     from rlkit.models import load_causal_lm, load_tokenizer
     from rlkit.rollout.engines import make_engine
     from rlkit.rollout.engines.base import Sampling
-    from rlkit.weights import Export, iter_full_parameters, module_manifest, push_weights, verify_push
+    from rlkit.verify import verify_push
+    from rlkit.weights import Export, iter_full_parameters, module_manifest, push_weights
 
     tok = load_tokenizer(args.model)
     rng = random.Random(0)

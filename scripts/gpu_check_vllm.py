@@ -48,7 +48,7 @@ def measure_probe(path: str, dtype_name: str) -> dict:
     import torch
 
     from rlkit.rollout.engines.vllm import VLLMEngine
-    from rlkit.weights import probe_bound, probe_gap, probe_tokens
+    from rlkit.verify import probe_bound, probe_gap, probe_tokens
 
     dtype = getattr(torch, dtype_name)
     engine = VLLMEngine(path, dtype=dtype_name, seed=0, enable_sleep_mode=False, max_model_len=256)

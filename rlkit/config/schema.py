@@ -184,9 +184,9 @@ class RolloutConfig:
     when the learner and the engine compute in fp32, 0.15 with bf16 compute or bf16 weights (measured: docs/benchmarks.md)."""
     accept_engine_gap: Optional[float] = None
     """The mean |dlogp| between the engine's and the learner's log-probs on the weight-sync probe's fixed tokens
-    (rlkit.weights.probe_gap, run at start-up on the engine as loaded and after every push) that this run
+    (rlkit.verify.probe_gap, run at start-up on the engine as loaded and after every push) that this run
     accepts above the bound of its compute dtype and platform (fp32: 1e-4 on the CPU, 0.03 on CUDA;
-    rlkit.weights.PROBE_BOUND). null = none: an engine whose forward differs
+    rlkit.verify.PROBE_BOUND). null = none: an engine whose forward differs
     from the learner's for this model (e.g. vLLM's CPU MLA attention of DeepSeek-V2/V3: 2.5e-3 and 2.2e-3 on
     the tiny test models) is refused at start-up with the measured gap; set this to at least that gap to train
     with it anyway (docs/supported-models.md)."""

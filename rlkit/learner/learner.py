@@ -67,8 +67,9 @@ from rlkit.learner.reuse import ForwardScores
 from rlkit.learner.strategy import make_accelerator
 from rlkit.metrics import MetricMerger
 from rlkit.models import eval_mode, load_causal_lm, load_tokenizer, load_value_model, train_without_dropout
+from rlkit.verify import probe_vocab
 from rlkit.vision import freeze_language_model, freeze_vision_tower
-from rlkit.weights import Export, iter_full_parameters, module_manifest, probe_vocab, reshard
+from rlkit.weights import Export, iter_full_parameters, module_manifest, reshard
 
 NONFINITE_METRIC = "train/nonfinite_steps"  # optimizer steps of a training step skipped as non-finite
 

@@ -29,9 +29,7 @@ from rlkit.rollout.evaluation import (
 )
 from rlkit.rollout.producer import Producer
 from rlkit.rundir import PENDING_FILE
-from rlkit.vision import load_processor
-from rlkit.weights import (
-    Export,
+from rlkit.verify import (
     check_engine,
     check_probe,
     learner_probe,
@@ -39,9 +37,10 @@ from rlkit.weights import (
     probe_gap,
     probe_input,
     probe_tokens,
-    push_weights,
     verify_push,
 )
+from rlkit.vision import load_processor
+from rlkit.weights import Export, push_weights
 
 
 class LocalRollouts:
@@ -107,7 +106,7 @@ class LocalRollouts:
                 cfg.reward.model, device=device, batch_size=cfg.reward.model_batch_size, dtype=reward_dtype
             )
         self.last_eval: list[PromptResult] = []  # the last evaluation's prompts (evaluate)
-        self.digests: dict | None = None  # of the last verified push (rlkit.weights.verify_push)
+        self.digests: dict | None = None  # of the last verified push (rlkit.verify.verify_push)
         self.producer = Producer(
             cfg, self.engine, self.scorer, self.train_prompts, self.order, rank=rank, world=world,
             device=device, reward_model=reward_model, tokenizer=tokenizer, processor=processor,
@@ -240,11 +239,11 @@ def check_engine_probe(
     tokens=None, images=None,
 ) -> float | None:  # fmt: skip
     """The log-prob probe, where the engine lives (this process, or an async rollout worker): the engine's
-    log-probs of `tokens` (the learner's, `rlkit.weights.probe_tokens`) against the learner's, within the bound of
+    log-probs of `tokens` (the learner's, `rlkit.verify.probe_tokens`) against the learner's, within the bound of
     the two dtypes on the engine's platform or the gap the run accepted (`rollout.accept_engine_gap`);
     `WeightSyncError` otherwise. Returns the gap, or None for an engine without prompt log-probs (the HF engine,
     checked tensor for tensor instead). `at_load`: the weights the engine loaded itself (a gap is then its
-    forward's, not a push's). `images`: each row's pictures (rlkit.weights.vl_probe_prompt), for a
+    forward's, not a push's). `images`: each row's pictures (rlkit.verify.vl_probe_prompt), for a
     vision-language policy."""
     if not hasattr(engine, "prompt_logprobs"):
         return None

@@ -2,7 +2,7 @@
 rlkit/ (nothing is imported).
 
     0 leaves     batch, algos, config/schema, config/derived, config/reference, weights, digests, rundir, checkpoints,
-                 collectives, timing, metrics, logging, plots, models, model_files, vision, vlmodels, lookup, flops,
+                 collectives, timing, metrics, logging, plots, models, model_files, vision, vlmodels, verify, lookup, flops,
                  gcpolicy, sandbox
     1 inputs     config/rules, data, rewards, envs
     2 machines   learner/, rollout/engines/
@@ -30,7 +30,7 @@ LEAVES = {
     "rlkit", "rlkit.batch", "rlkit.algos", "rlkit.config", "rlkit.config.schema", "rlkit.config.derived",
     "rlkit.config.reference", "rlkit.weights", "rlkit.digests", "rlkit.rundir", "rlkit.checkpoints",
     "rlkit.collectives", "rlkit.timing", "rlkit.metrics", "rlkit.logging", "rlkit.plots", "rlkit.models",
-    "rlkit.lookup", "rlkit.flops", "rlkit.gcpolicy", "rlkit.vlmodels", "rlkit.vision", "rlkit.model_files",
+    "rlkit.lookup", "rlkit.flops", "rlkit.gcpolicy", "rlkit.vlmodels", "rlkit.vision", "rlkit.model_files", "rlkit.verify",
 }  # fmt: skip
 HEAVY = {
     "torch",

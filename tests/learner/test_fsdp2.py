@@ -175,7 +175,8 @@ def _push_into_hf_engine(tok_dir: str, dtype: str, rank: int) -> dict:
     from rlkit.models import load_tokenizer
     from rlkit.rollout.engines.base import Sampling
     from rlkit.rollout.engines.hf import HFEngine
-    from rlkit.weights import probe_tokens, push_weights
+    from rlkit.verify import probe_tokens
+    from rlkit.weights import push_weights
 
     learner = Learner(learner_cfg(model_path=tok_dir, dtype=dtype, strategy="fsdp2", lr=1e-2))
     tokenizer = load_tokenizer(tok_dir)

@@ -5,7 +5,7 @@ item 3: vLLM's fp32 attention on CUDA computes in TF32), and its fixed tokens sp
 import pytest
 import torch
 
-from rlkit.weights import probe_bound, probe_tokens, probe_vocab
+from rlkit.verify import probe_bound, probe_tokens, probe_vocab
 
 
 def test_the_fp32_bound_is_the_cpus_measured_one_on_cpu_and_looser_on_cuda():

@@ -17,17 +17,8 @@ from vllm_import import import_vllm
 
 from rlkit.config.schema import REPO_ROOT
 from rlkit.models import load_causal_lm, stateful_layers
-from rlkit.weights import (
-    Export,
-    WeightSyncError,
-    check_probe,
-    iter_full_parameters,
-    module_manifest,
-    probe_bound,
-    probe_gap,
-    probe_tokens,
-    verify_push,
-)
+from rlkit.verify import check_probe, probe_bound, probe_gap, probe_tokens, verify_push
+from rlkit.weights import Export, WeightSyncError, iter_full_parameters, module_manifest
 
 pytestmark = pytest.mark.slow  # builds a vLLM engine per model family: `make test-fast` leaves it out
 

@@ -45,7 +45,7 @@ def test_the_language_model_is_loaded_and_computes_what_the_vl_model_computes_on
 
 def test_the_hf_engine_samples_it_with_the_learners_logprobs(vl_checkpoint):
     from rlkit.rollout.engines.hf import HFEngine
-    from rlkit.weights import probe_bound
+    from rlkit.verify import probe_bound
 
     directory, _ = vl_checkpoint
     assert sampled_gap(

@@ -20,6 +20,7 @@ import_vllm()
 
 from rlkit.models import load_causal_lm, load_tokenizer, make_tiny_checkpoint  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
+from rlkit.verify import verify_push  # noqa: E402
 from rlkit.weights import (  # noqa: E402
     Export,
     WeightManifestError,
@@ -27,7 +28,6 @@ from rlkit.weights import (  # noqa: E402
     iter_full_parameters,
     module_manifest,
     push_weights,
-    verify_push,
 )
 
 pytestmark = pytest.mark.slow  # builds vLLM engines: `make test-fast` leaves it out

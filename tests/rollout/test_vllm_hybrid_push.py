@@ -16,7 +16,8 @@ from vllm_import import import_vllm
 import_vllm()
 
 from rlkit.models import load_causal_lm  # noqa: E402
-from rlkit.weights import iter_full_parameters, module_manifest, probe_gap, probe_tokens  # noqa: E402
+from rlkit.verify import probe_gap, probe_tokens  # noqa: E402
+from rlkit.weights import iter_full_parameters, module_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow  # builds two vLLM engines
 

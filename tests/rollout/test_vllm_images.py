@@ -15,7 +15,7 @@ import_vllm()
 
 from rlkit.batch import Images  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
-from rlkit.weights import probe_bound  # noqa: E402
+from rlkit.verify import probe_bound  # noqa: E402
 
 pytestmark = pytest.mark.slow  # builds a vLLM engine: `make test-fast` leaves it out
 
@@ -135,12 +135,13 @@ def _vision(name: str) -> bool:
 
 def test_a_push_with_the_vision_tower_reaches_vllm_through_its_own_mapping(vl):
     """The learner's whole model (vision tower, connector, language model) perturbed and pushed: every pushed
-    tensor is digested as received and found in the engine where vLLM's loaders put it (rlkit.weights.verify_push),
+    tensor is digested as received and found in the engine where vLLM's loaders put it (rlkit.verify.verify_push),
     and the engine's log-probs on a prompt with an image are the perturbed transformers model's. Perturbing the
     vision side alone changes them (the push of the tower is what makes the engine see the new pictures)."""
     from transformers import AutoModelForImageTextToText
 
-    from rlkit.weights import Export, iter_full_parameters, module_manifest, push_weights, verify_push
+    from rlkit.verify import verify_push
+    from rlkit.weights import Export, iter_full_parameters, module_manifest, push_weights
 
     directory, processor, _, engine = vl
     ids, images = _prompt(processor, TEXT, [picture(9)])
@@ -184,6 +185,7 @@ def test_a_frozen_vision_tower_is_left_out_of_the_push_and_checked_unchanged(vl)
     changes anyway is a WeightSyncError at the next push."""
     from transformers import AutoModelForImageTextToText
 
+    from rlkit.verify import verify_push
     from rlkit.weights import (
         Export,
         WeightManifestError,
@@ -191,7 +193,6 @@ def test_a_frozen_vision_tower_is_left_out_of_the_push_and_checked_unchanged(vl)
         iter_full_parameters,
         module_manifest,
         push_weights,
-        verify_push,
     )
 
     directory, processor, _, engine = vl
@@ -224,20 +225,12 @@ def test_a_frozen_vision_tower_is_left_out_of_the_push_and_checked_unchanged(vl)
 
 
 def test_the_probe_runs_on_prompts_with_a_picture_and_sees_the_vision_tower(vl):
-    """rlkit.weights.vl_probe_prompt: a picture per row, expanded by the processor, then drawn ids; the engine's
+    """rlkit.verify.vl_probe_prompt: a picture per row, expanded by the processor, then drawn ids; the engine's
     probe log-probs there are the transformers model's (check_engine_probe passes), and a vision tower that moved
     in the engine fails the probe with pictures while the probe on the fixed tokens alone cannot see it."""
     from rlkit.rollout.local import check_engine_probe
-    from rlkit.weights import (
-        Export,
-        WeightSyncError,
-        iter_full_parameters,
-        module_manifest,
-        probe_gap,
-        probe_tokens,
-        push_weights,
-        vl_probe_prompt,
-    )
+    from rlkit.verify import probe_gap, probe_tokens, vl_probe_prompt
+    from rlkit.weights import Export, WeightSyncError, iter_full_parameters, module_manifest, push_weights
 
     directory, processor, model, engine = vl
     tokens, images = vl_probe_prompt(processor, len(processor.tokenizer))

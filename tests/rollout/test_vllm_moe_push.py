@@ -19,16 +19,8 @@ from rlkit.models import load_causal_lm  # noqa: E402
 from rlkit.rollout.engines.base import Sampling  # noqa: E402
 from rlkit.rollout.engines.vllm import push as vllm_push  # noqa: E402
 from rlkit.rollout.engines.vllm import reload as vllm_reload  # noqa: E402
-from rlkit.weights import (  # noqa: E402
-    Export,
-    WeightSyncError,
-    iter_full_parameters,
-    module_manifest,
-    probe_bound,
-    probe_gap,
-    probe_tokens,
-    verify_push,
-)
+from rlkit.verify import probe_bound, probe_gap, probe_tokens, verify_push  # noqa: E402
+from rlkit.weights import Export, WeightSyncError, iter_full_parameters, module_manifest  # noqa: E402
 
 pytestmark = pytest.mark.slow  # builds a vLLM engine: `make test-fast` leaves it out
 

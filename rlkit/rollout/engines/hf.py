@@ -288,7 +288,7 @@ class HFEngine:
 
     def weight_digests(self, names: Collection[str] | None = None) -> dict[str, str]:
         """The digest (rlkit.digests, on the engine's device) of each tensor of the push manifest (of `names` only,
-        unless None) as this engine holds it (rlkit.weights.check_engine)."""
+        unless None) as this engine holds it (rlkit.verify.check_engine)."""
         params = self.model.state_dict()
         return to_host({n: tensor_digest(params[n]) for n in self.manifest if names is None or n in names})
 

@@ -79,7 +79,8 @@ from rlkit.rollout.remote.wire import bridge
 from rlkit.rollout.remote.worker import worker_main
 from rlkit.rollout.scored import merge_scored, split_scored
 from rlkit.rundir import PENDING_FILE
-from rlkit.weights import Export, learner_probe, probe_input, send_weights
+from rlkit.verify import learner_probe, probe_input
+from rlkit.weights import Export, send_weights
 
 log = logging.getLogger(__name__)
 

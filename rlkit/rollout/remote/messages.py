@@ -66,13 +66,13 @@ class Digests:
     version: int
     digests: dict[str, str]
     probe: torch.Tensor | None = None
-    """The learner's log-probs on the probe's fixed tokens (rlkit.weights.probe_tokens), or None."""
+    """The learner's log-probs on the probe's fixed tokens (rlkit.verify.probe_tokens), or None."""
     probe_dtype: str = "float32"
-    """The dtype the learner computed `probe` in (its bound: rlkit.weights.probe_bound)."""
+    """The dtype the learner computed `probe` in (its bound: rlkit.verify.probe_bound)."""
     probe_tokens: torch.Tensor | None = None
-    """The fixed tokens `probe` was computed on (rlkit.weights.probe_tokens over the learner's probe_vocab)."""
+    """The fixed tokens `probe` was computed on (rlkit.verify.probe_tokens over the learner's probe_vocab)."""
     probe_images: tuple | None = None
-    """Each probe row's rlkit.batch.Images, for a vision-language policy (rlkit.weights.vl_probe_prompt), or None."""
+    """Each probe row's rlkit.batch.Images, for a vision-language policy (rlkit.verify.vl_probe_prompt), or None."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,8 @@ from rlkit.rollout.remote.messages import (
 from rlkit.rollout.remote.wire import bridge
 from rlkit.sandbox.protocol import die_with_parent
 from rlkit.timing import Timers
-from rlkit.weights import check_engine, receive_weights
+from rlkit.verify import check_engine
+from rlkit.weights import receive_weights
 
 # Launcher variables a worker must not inherit from learner rank 0 (it is rank r of its own world).
 _LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -159,7 +160,7 @@ class _Server:
         self.parent, self.device = start["parent"], device
         self.dtype = torch_dtype(rollouts.cfg.model.dtype)  # the engine's; pushes arrive in it
         self.version, self.credits, self.index = -1, 0, start["index"]
-        self.checked = None  # the digests of the last verified push (rlkit.weights.check_engine)
+        self.checked = None  # the digests of the last verified push (rlkit.verify.check_engine)
         self.held: deque = deque()  # messages read in flight that wait for the batch to finish
         self.swaps = 0  # pushes taken in flight during the current batch
         mode = rollouts.cfg.trainer.inflight_updates

@@ -1,5 +1,5 @@
 """What a push into vLLM must leave in the engine, and what it holds: the engine side of the content check
-(issue 56; rlkit.weights.check_engine compares). Runs inside vLLM's worker (`collective_rpc`, in this process).
+(issue 56; rlkit.verify.check_engine compares). Runs inside vLLM's worker (`collective_rpc`, in this process).
 
 vLLM stacks pushed tensors (q, k and v into one `qkv_proj`, gate and up into `gate_up_proj`) and, on its CPU
 backend, repacks a linear layer's weight into its kernel's own format (and empties the tensor). For every engine
@@ -18,7 +18,7 @@ tensor a push writes, two digests (rlkit.digests: a sum over positions, so piece
 
 Processing that changes values after loading (the CPU fused-MoE expert prepack), found at the first push by
 digesting each layer's tensors before and after vLLM's `process_weights_after_loading`, and tensors whose
-loaders cannot be mapped, are left out: rlkit.weights.check_engine checks those by change, the probe by their
+loaders cannot be mapped, are left out: rlkit.verify.check_engine checks those by change, the probe by their
 effect. Cost: the map, once (a scratch of 8 bytes per element of each target, one at a time, on the host); per
 push, one digest of every pushed tensor and one of every engine tensor (on the device), and on the CPU backend
 the identity product of every repacked linear (input size x its weight's elements multiply-adds).

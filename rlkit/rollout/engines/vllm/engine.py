@@ -61,13 +61,7 @@ from rlkit.rollout.engines.vllm.platform import (
 from rlkit.rollout.engines.vllm.push import PushBook
 from rlkit.rollout.engines.vllm.reload import worker_close_failed_reload, worker_reload
 from rlkit.rollout.engines.vllm.settings import engine_settings
-from rlkit.weights import (
-    PushGuard,
-    check_manifest,
-    clean_param_name,
-    module_manifest,
-    tied_aliases,
-)
+from rlkit.weights import PushGuard, check_manifest, clean_param_name, module_manifest, tied_aliases
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +408,7 @@ class VLLMEngine:
     def prompt_logprobs(self, tokens: Tensor, images: list[Images | None] | None = None) -> Tensor:
         """[N, L-1] float32: the log-prob of `tokens[:, 1:]` given their prefixes under the weights held now
         (temperature 1, no truncation: vLLM's prompt log-probs skip the sampling processors), for the push's
-        log-prob probe (rlkit.weights.probe_gap); `images` as in `generate` (each row's placeholders expanded)."""
+        log-prob probe (rlkit.verify.probe_gap); `images` as in `generate` (each row's placeholders expanded)."""
         from vllm import SamplingParams
 
         self._push_guard.check()
@@ -458,7 +452,7 @@ class VLLMEngine:
 
     def expected_digests(self) -> dict[str, str]:
         """{vLLM tensor: digest of what the last push's loaders wrote into it} (empty before the first push), for
-        the content check (rlkit.weights.check_engine)."""
+        the content check (rlkit.verify.check_engine)."""
         return self._book.expected()
 
     def received_digests(self) -> dict[str, str] | None:
@@ -468,7 +462,7 @@ class VLLMEngine:
     def digest_sources(self) -> dict[str, list[str]]:
         """{vLLM tensor: the pushed (learner) tensors it is built from}, as the pushes so far recorded them at
         vLLM's own weight loaders (empty before the first push): the tensors the content check cannot read are
-        checked by change (rlkit.weights.check_engine)."""
+        checked by change (rlkit.verify.check_engine)."""
         return self._book.sources(self.llm)
 
     def close(self) -> None:

@@ -28,7 +28,8 @@ from rlkit.rollout.engines.vllm.reload import (
     worker_tensors,
     worker_vision_prefixes,
 )
-from rlkit.weights import WeightSyncError, engine_sources
+from rlkit.verify import engine_sources
+from rlkit.weights import WeightSyncError
 
 
 class PushBook:
