@@ -172,7 +172,8 @@ def model_shape(path: str | os.PathLike) -> dict:
 
 def offline_without_hub() -> bool:
     """Whether the hub is out of reach from this machine: its host name (`HF_ENDPOINT`'s, huggingface.co by
-    default) does not resolve, or the user set HF_HUB_OFFLINE. When it does not resolve, the hub client's
+    default) does not resolve (unless a proxy is set: the proxy resolves it), or the user set HF_HUB_OFFLINE.
+    When it does not resolve, the hub client's
     offline mode is turned on for this process and the processes it starts (HF_HUB_OFFLINE=1): a hub id in
     the local cache then loads at once and one that is not fails at once, where the client would retry every
     request with back-off first (about 23 s per file, then the cache). Asked once per process."""
@@ -180,11 +181,13 @@ def offline_without_hub() -> bool:
     if _HUB_OFFLINE is None:
         import socket
         from urllib.parse import urlparse
+        from urllib.request import getproxies
 
         from huggingface_hub import constants
 
         _HUB_OFFLINE = bool(constants.HF_HUB_OFFLINE)
-        if not _HUB_OFFLINE:
+        # Behind a proxy (HTTPS_PROXY ...) the proxy resolves the hub's name: a local lookup says nothing.
+        if not _HUB_OFFLINE and not getproxies():
             host = urlparse(constants.ENDPOINT).hostname or ""
             try:
                 socket.getaddrinfo(host, 443)

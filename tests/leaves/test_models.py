@@ -86,6 +86,13 @@ def test_without_a_resolving_hub_a_hub_id_is_read_from_the_cache_at_once(monkeyp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # put back as it was after the test
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    # Behind a proxy the local lookup says nothing (the proxy resolves the name): the hub stays online.
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert models.offline_without_hub() is False and asked == []
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(models, "_HUB_OFFLINE", None)
     # A hub cache as the client writes it: refs/main names the snapshot holding config.json.
     repo = tmp_path / "models--owner-rlkit--cached"
     (repo / "refs").mkdir(parents=True)
