@@ -117,9 +117,8 @@ class Learner:
         self.lora = m.lora.rank > 0
         # fp32 master weights; accelerate casts compute to bf16 under mixed precision. With LoRA only
         # the adapters train: the frozen base is loaded in the compute dtype (no fp32 master copy).
-        self.vision = takes_images(
-            cfg
-        )  # the VL model whole, its forward taking the images (data's, an env's)
+        # The VL model whole, its forward taking the images (the data's, an environment's).
+        self.vision = takes_images(cfg)
         policy = load_causal_lm(
             m.path, dtype=self.compute_dtype if self.lora else torch.float32, device="cpu", vision=self.vision
         )

@@ -52,26 +52,20 @@ def observation_tokens(
     `Pixels`, earlier observations' included): the processor's template renders them as placeholders, and the
     observation's own pictures are expanded by the processor and joined to `images`. Raises ValueError when there
     is no processor (the run takes no images) or the processor refuses the pictures."""
-    if not has_pictures([*history, *observation]):
+    with_pictures = has_pictures([*history, *observation])
+    if with_pictures and processor is None:
+        raise ValueError("an observation shows a picture, but this run has no processor to render it")
+    chat = processor if with_pictures else tokenizer  # the processor's template renders image parts
 
-        def render(messages, add_generation_prompt):
-            return tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+    def render(messages, add_generation_prompt):
+        return chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    if not with_pictures:
         delta = observation_text(render, history, observation, sampled_eos)
         return tokenizer(delta, add_special_tokens=False).input_ids, images
-    if processor is None:
-        raise ValueError("an observation shows a picture, but this run has no processor to render it")
     shown_history, _ = template_messages(history)
     shown, pictures = template_messages(observation)
-
-    def render_parts(messages, add_generation_prompt):
-        return processor.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    delta = observation_text(render_parts, shown_history, shown, sampled_eos)
+    delta = observation_text(render, shown_history, shown, sampled_eos)
     if not pictures:
         return processor.tokenizer(delta, add_special_tokens=False).input_ids, images
     ids, new = expand(processor, delta, pictures)

@@ -135,13 +135,14 @@ class AsyncRollouts:
         ctx = mp.get_context("spawn")
         t = self.cfg.trainer
         self.results = ctx.Queue()
-        store = dist.TCPStore("127.0.0.1", 0, self.R + 1, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=t.collective_timeout_s))  # fmt: skip
+        timeout = datetime.timedelta(seconds=t.collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, self.R + 1, True, wait_for_workers=False, timeout=timeout)
         # The workers' own world (R > 1) meets on a store held here too, bound before any worker starts: a port
         # chosen, released and bound later by worker 0 could be taken meanwhile (the workers then joined a
         # stranger's store and waited).
-        world = dist.TCPStore("127.0.0.1", 0, self.R, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=t.collective_timeout_s)) if self.R > 1 else None  # fmt: skip
+        world = None
+        if self.R > 1:
+            world = dist.TCPStore("127.0.0.1", 0, self.R, True, wait_for_workers=False, timeout=timeout)
         ports = {"bridge": store.port, "world": world.port if world is not None else None}
         gpus = [None] * self.R
         if self.device.type == "cuda":  # the last R visible GPUs; the learner ranks hold the first ones

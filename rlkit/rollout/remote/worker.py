@@ -63,9 +63,8 @@ def _as_rank(r: int, R: int, ports: dict, gpu) -> None:
         if key in _LAUNCHER_KEYS or key.startswith("TORCHELASTIC_"):
             del os.environ[key]
     os.environ.update(RANK=str(r), WORLD_SIZE=str(R), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(R))
-    if (
-        ports["world"] is not None
-    ):  # R > 1: the world's store (`join_world`); one worker's engine picks its own
+    # R > 1: the world's store (`join_world`); a single worker's engine picks its own port.
+    if ports["world"] is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
